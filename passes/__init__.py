@@ -1,0 +1,1 @@
+"""Compiler passes, one per module (installed as kimi_compile.passes)."""

@@ -1,0 +1,1 @@
+"""Fused ops, one per folder (installed as kimi_compile.plugins)."""
