@@ -46,17 +46,17 @@ class Indexer(nn.Module):
         """Top index_topk positions per query: (indices [B,T,k] int64, valid [B,T,k]).
 
         The score row is padded with index_topk masked columns so k is a constant; a selected index is valid when it
-        points at a visible key (fewer than k visible keys -> the rest are invalid).
+        points at a visible key (fewer than k visible keys -> the rest are invalid). Invalid indices may point past S.
         """
         B, T, S = score.shape
         padded = torch.cat([score, score.new_full((B, T, self.topk), MASKED)], dim=-1)
         _, idx = topk_stable(padded, self.topk)
         allowed_p = torch.cat([allowed, allowed.new_zeros(B, T, self.topk)], dim=-1)
-        valid = torch.gather(allowed_p, -1, idx)
-        return idx.clamp(max=S - 1), valid
+        return idx, torch.gather(allowed_p, -1, idx)
 
     def mask(self, score: Tensor, allowed: Tensor) -> Tensor:
         """[B, T, S] bool: key s is among the selected positions of query t (the prefill form)."""
+        B, T, S = score.shape
         idx, valid = self.select(score, allowed)
-        sel = torch.zeros_like(allowed).scatter(-1, idx, valid)
-        return sel & allowed
+        sel = torch.zeros(B, T, S + self.topk, dtype=torch.bool, device=score.device).scatter(-1, idx, valid)
+        return sel[..., :S] & allowed

@@ -72,7 +72,7 @@ class KimiMLAAttention(nn.Module):
             score = self.indexer.scores(x, cq, index_keys, allowed)
             if decode:
                 idx, valid = self.indexer.select(score, allowed)
-                o = self._absorbed(q_nope, q_pe, keys, valid, idx)
+                o = self._absorbed(q_nope, q_pe, keys, valid, idx.clamp(max=keys.shape[1] - 1))
             else:
                 o = self._expanded(q_nope, q_pe, keys, self.indexer.mask(score, allowed))
         elif decode:

@@ -135,6 +135,10 @@ def _model_key(hf_key: str) -> str | tuple[str, int, str] | None:
     return hf_key
 
 
+def _hf_name(model_key: str) -> str:
+    return re.sub(r"(self_attention_res|mlp_res|output_attn_res)\.(proj|norm)\.weight$", r"\1_\2.weight", model_key)
+
+
 def dequantize_mxfp4(packed: Tensor, scale: Tensor, *, where: str = "") -> Tensor:
     """MXFP4 -> fp32: packed uint8 [out, in/2] (element 2i in the low nibble), scale uint8 E8M0 [out, in/32]."""
     if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
@@ -378,11 +382,11 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     for key, (shape, _) in expected.items():
         if key not in values:
             if not re.search(r"\.experts\.w[123]$", key):
-                problems.append(f"{PREFIX}{key}: missing (expected shape {list(shape)})")
+                problems.append(f"{PREFIX}{_hf_name(key)}: missing (expected shape {list(shape)})")
             continue
         t = values[key]
         if not t.is_floating_point():
-            problems.append(f"{PREFIX}{key}: dtype {t.dtype}, expected a floating-point tensor")
+            problems.append(f"{PREFIX}{_hf_name(key)}: dtype {t.dtype}, expected a floating-point tensor")
             continue
         if key.endswith(".A_log"):
             if t.dim() != 1 or t.shape[0] < shape[0]:
@@ -390,7 +394,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 continue
             values[key] = t = t[: shape[0]]
         if tuple(t.shape) != shape:
-            problems.append(f"{PREFIX}{key}: shape {list(t.shape)}, expected {list(shape)}")
+            problems.append(f"{PREFIX}{_hf_name(key)}: shape {list(t.shape)}, expected {list(shape)}")
     if problems and strict:
         raise CheckpointError(str(path), problems)
     model = build_model(cfg, torch.float32, device="cpu")
