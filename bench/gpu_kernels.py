@@ -1,0 +1,518 @@
+"""Build, check and time every GPU kernel variant in one run (issue 6); writes JSON.
+
+    python bench/gpu_kernels.py --out $OUT/gpu_kernels.json [--sections floors,indexer,mla,kda_decode,kda_prefill,quant]
+                                [--no-compile] [--reps 30]
+
+Method: CUDA events around each call, median (and p10/p90) over --reps runs; before every timed run a 256 MiB buffer is
+zeroed so L2 (60 MB) holds none of the inputs ("L2 flushed"). "graph" rows replay a captured CUDA graph (how a decode
+step runs in the runtime, without Python launch overhead); "direct" rows launch from Python. The floors come first:
+device copy bandwidth (bytes read + written over time, 2 GiB copy) and the bf16 matmul rate (8192^3, random data);
+floor_us = max(bytes / copy_bw, flops / matmul_rate), ratio = median / floor. Each of our kernels is checked at the
+timed shape against an fp32 torch computation (indices as sets up to ties) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+try:
+    from kimi_compile.plugins.indexer_topk import torch_ref as iref
+    from kimi_compile.plugins.indexer_topk import triton as itk
+    from kimi_compile.plugins.kda import torch_ref as kref
+    from kimi_compile.plugins.kda import triton as ktk
+    from kimi_compile.plugins.quant import triton as qtk
+    from kimi_compile.plugins.sparse_mla import torch_ref as mref
+    from kimi_compile.plugins.sparse_mla import triton as mtk
+except ImportError:
+    from plugins.indexer_topk import torch_ref as iref
+    from plugins.indexer_topk import triton as itk
+    from plugins.kda import torch_ref as kref
+    from plugins.kda import triton as ktk
+    from plugins.quant import triton as qtk
+    from plugins.sparse_mla import torch_ref as mref
+    from plugins.sparse_mla import triton as mtk
+
+DEV = "cuda"
+RESULTS: dict = {}
+ROWS: list = []
+FLOOR = {"copy_GBps": None, "bf16_TFLOPs": None}
+_FLUSH = None
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def bench(fn, reps=30, graph=True, flush=True):
+    """Median/p10/p90 microseconds of fn (CUDA events); graph=True times replays of a captured CUDA graph."""
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    else:
+        fn()
+        run = fn
+    run()
+    torch.cuda.synchronize()
+    ev = []
+    for _ in range(reps):
+        if flush:
+            _FLUSH.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        ev.append((a, b))
+    torch.cuda.synchronize()
+    t = sorted(a.elapsed_time(b) * 1e3 for a, b in ev)
+    return {"median_us": statistics.median(t), "p10_us": t[len(t) // 10], "p90_us": t[(9 * len(t)) // 10]}
+
+
+def record(op, case, variant, shape, bytes_, flops, fn=None, timing=None, reps=30, graph=True, check=None, note=""):
+    row = {"op": op, "case": case, "variant": variant, "shape": shape, "bytes": bytes_, "flops": flops,
+           "graph": graph, "check": check, "note": note}
+    try:
+        if timing is None:
+            timing = bench(fn, reps=reps, graph=graph)
+        row.update(timing)
+        t = row["median_us"] * 1e-6
+        row["GBps"] = bytes_ / t / 1e9
+        row["TFLOPs"] = flops / t / 1e12
+        fb = bytes_ / (FLOOR["copy_GBps"] * 1e9) * 1e6
+        ff = flops / (FLOOR["bf16_TFLOPs"] * 1e12) * 1e6
+        row["floor_us"] = max(fb, ff)
+        row["floor_bound"] = "bytes" if fb >= ff else "flops"
+        row["ratio_to_floor"] = row["median_us"] / row["floor_us"]
+        log(f"{op:12s} {case:22s} {variant:34s} {row['median_us']:10.1f} us  floor {row['floor_us']:8.1f}  "
+            f"x{row['ratio_to_floor']:6.2f}  {'graph' if graph else 'direct'}  check={check}")
+    except Exception as e:  # keep going: one failure must not lose the rest of the run
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+        log(f"{op:12s} {case:22s} {variant:34s} ERROR {row['error'][:300]}")
+        torch.cuda.synchronize()
+    ROWS.append(row)
+    return row
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------ floors
+def floors():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_()
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x), reps=20, graph=False, flush=False)
+    FLOOR["copy_GBps"] = 2 * x.numel() / (t["median_us"] * 1e-6) / 1e9
+    del x, y
+    n = 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    t = bench(lambda: a @ b, reps=20, graph=False, flush=False)
+    FLOOR["bf16_TFLOPs"] = 2 * n ** 3 / (t["median_us"] * 1e-6) / 1e12
+    log(f"floors: copy {FLOOR['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {FLOOR['bf16_TFLOPs']:.0f} TFLOP/s")
+
+
+# ------------------------------------------------------------------ indexer
+def _paged_random(B, L, bs, gen_dev=DEV):
+    nblk = (L + bs - 1) // bs
+    perm = torch.randperm(B * nblk, device=gen_dev).int()
+    return perm.view(B, nblk).contiguous(), B * nblk
+
+
+def indexer_section(args):
+    H, D, topk, bs = 64, 128, 2048, 64
+    for B, L in ((32, 65536), (1, 131072)):
+        case = f"B={B},L={L}"
+        bt, nb = _paged_random(B, L, bs)
+        codes = torch.empty(nb, bs, D, dtype=torch.uint8, device=DEV)
+        scales = torch.empty(nb, bs, D // 32, dtype=torch.uint8, device=DEV)
+        for i in range(0, nb * bs, 1 << 20):  # fill through our quantize kernel (random LayerNorm-like keys)
+            n = min(1 << 20, nb * bs - i)
+            k = torch.randn(n, D, device=DEV, dtype=torch.bfloat16)
+            qtk.mxfp8_quantize_to_cache(k, torch.arange(i, i + n, device=DEV), codes, scales, "ceil")
+        q = torch.randn(B, H, D, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(B, H, device=DEV) * H ** -0.5 * D ** -0.5
+        cl = torch.full((B,), L, dtype=torch.int32, device=DEV)
+        cl[0] = L - 777 if B > 1 else L
+        shape = {"B": B, "L": L, "H_I": H, "D_I": D, "topk": topk, "block_size": bs, "bytes_per_token": 132}
+        bytes_ = int(cl.sum()) * 132 + q.numel() * 2 + w.numel() * 4 + B * topk * 8
+        flops = 2 * int(cl.sum()) * H * D
+        # fp32 reference scores for the check
+        torch.backends.cuda.matmul.allow_tf32 = False
+        full = torch.full((B, L), float("-inf"), device=DEV, dtype=torch.float64)
+        for b in range(B):
+            n = int(cl[b])
+            pos = torch.arange(n, device=DEV)
+            rows = bt[b].long()[pos // bs] * bs + pos % bs
+            kf = (codes.view(-1, D)[rows].view(torch.float8_e4m3fn).float().view(n, 4, 32)
+                  * torch.exp2(scales.view(-1, 4)[rows].float() - 127)[..., None]).view(n, D)
+            full[b, :n] = ((kf @ q[b].float().T).relu() * w[b][None]).sum(-1).double()
+        full_cpu = full.cpu()
+        del full
+        lens = [int(x) for x in cl.cpu()]
+        for bn, nw in ((64, 4), (128, 8), (64, 8)):
+            var = f"triton bn={bn} warps={nw}"
+            try:
+                oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
+                os_ = torch.full((B, topk), float("nan"), device=DEV)
+                itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw, out=(oi, os_))
+                torch.cuda.synchronize()
+                chk = iref.check_topk(oi, os_, full_cpu, lens, topk)
+            except Exception as e:
+                chk = {"ok": False, "error": str(e)[:300]}
+            fn = lambda bn=bn, nw=nw: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw)
+            record("indexer", case, var, shape, bytes_, flops, fn, check=chk, reps=args.reps)
+            if bn == 64 and nw == 4:
+                record("indexer", case, var + " (direct)", shape, bytes_, flops, fn, check=chk, reps=args.reps,
+                       graph=False)
+                rs, cs = torch.arange(B, dtype=torch.int32, device=DEV), cl
+                cap = bt.shape[1] * bs
+
+                def score_only():
+                    sc, hist, st = itk._workspace(q.device, B, cap)
+                    tn = (cap + 63) // 64
+                    want = max(1, 4 * torch.cuda.get_device_properties(0).multi_processor_count // B)
+                    tpp = max(1, (tn + want - 1) // want)
+                    itk._score_kernel[(B, (tn + tpp - 1) // tpp)](q, w, codes, scales, bt, rs, cs, sc, hist,
+                                                                  bt.stride(0), cap, tpp, BS=bs, H=H, D=D, BN=64,
+                                                                  num_warps=4, num_stages=2)
+                    hist.zero_()
+                record("indexer", case, "triton score pass only (+hist memset)", shape, bytes_, flops, score_only,
+                       reps=args.reps, note="stage timing; leaves workspace clean")
+        eager = lambda: iref.indexer_topk_decode_eager(q, w, codes, scales, bt, cl, topk, max_context_len=L)
+        ei, ev = eager()
+        echk = iref.check_topk(ei, ev.double(), full_cpu, lens, topk, rtol=1e-2)
+        record("indexer", case, "eager unfused bf16 (torch.topk)", shape, bytes_, flops, eager, graph=False,
+               reps=max(5, args.reps // 3), check=echk)
+        record("indexer", case, "eager unfused bf16 (torch.topk)", shape, bytes_, flops, eager, graph=True,
+               reps=max(5, args.reps // 3), check=echk)
+        sc_only = torch.randn(B, L, device=DEV)
+        record("indexer", case, "torch.topk alone on [B,L] fp32", shape, B * L * 4, 0,
+               lambda: torch.topk(sc_only, topk, dim=-1), graph=True, reps=args.reps)
+        if not args.no_compile:
+            comp = torch.compile(iref.indexer_topk_decode_eager, dynamic=False)
+            record("indexer", case, "torch.compile(eager)", shape, bytes_, flops,
+                   lambda: comp(q, w, codes, scales, bt, cl, topk, max_context_len=L), graph=True,
+                   reps=max(5, args.reps // 3))
+        del codes, scales
+        torch.cuda.empty_cache()
+        flush_json(args)
+    # prefill (functional path: one row per query token), one size
+    T, start = 4096, 0
+    bt, nb = _paged_random(1, T, bs)
+    codes = torch.empty(nb, bs, D, dtype=torch.uint8, device=DEV)
+    scales = torch.empty(nb, bs, D // 32, dtype=torch.uint8, device=DEV)
+    k = torch.randn(nb * bs, D, device=DEV, dtype=torch.bfloat16)
+    qtk.mxfp8_quantize_to_cache(k, torch.arange(nb * bs, device=DEV), codes, scales, "ceil")
+    q = torch.randn(T, H, D, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(T, H, device=DEV) * 0.01
+    pairs = T * (T + 1) // 2
+    record("indexer", f"prefill T={T}", "triton rows=T (decode kernel per query row)",
+           {"T": T, "topk": topk}, T * 132 + q.numel() * 2, 2 * pairs * H * D,
+           lambda: itk.indexer_topk_prefill(q, w, codes, scales, bt[0], start, topk), graph=True, reps=10,
+           note="functional prefill path; no query tiling (K re-read per row from L2)")
+    flush_json(args)
+
+
+# ------------------------------------------------------------------ sparse MLA
+def mla_section(args):
+    H, topk, bs, ctx = 128, 2048, 64, 16384
+    for B in (32, 1):
+        case = f"B={B},topk={topk}"
+        bt, nb = _paged_random(B, ctx, bs)
+        cache = torch.empty(nb, bs, 656, dtype=torch.uint8, device=DEV)
+        c = torch.randn(nb * bs, 512, device=DEV, dtype=torch.bfloat16)
+        pe = torch.randn(nb * bs, 64, device=DEV, dtype=torch.bfloat16)
+        qtk.mla_fp8_quantize_to_cache(c, pe, torch.arange(nb * bs, device=DEV), cache)
+        del c, pe
+        idx = torch.rand(B, ctx, device=DEV).argsort(-1)[:, :topk].int().contiguous()
+        q = (torch.randn(B, H, 576, device=DEV) * 0.3).bfloat16()
+        sm = 576 ** -0.5
+        shape = {"B": B, "H": H, "topk": topk, "d_qk": 576, "d_v": 512, "bytes_per_token": 656}
+        bytes_ = B * topk * 656 + q.numel() * 2 + B * H * 512 * 2 + B * topk * 4
+        flops = 2 * B * H * topk * (576 + 512)
+        # fp32 reference
+        torch.backends.cuda.matmul.allow_tf32 = False
+        rows = cache.view(-1, 656)[bt.long().gather(1, idx.long() // bs) * bs + idx.long() % bs]
+        ck, kp = mref.mla_fp8_dequantize_ref(rows.view(-1, 656))
+        ck, kp = ck.float().view(B, topk, 512), kp.float().view(B, topk, 64)
+        s = (torch.bmm(q.float()[..., :512], ck.transpose(1, 2)) + torch.bmm(q.float()[..., 512:], kp.transpose(1, 2)))
+        ref = torch.bmm(torch.softmax(s * sm, -1), ck)
+        del rows, ck, kp, s
+        cfgs = [(None, 64, 4, 8), (None, 32, 4, 8), (None, 64, 2, 8), (None, 64, 2, 4)]
+        cfgs += [(1, 64, 4, 8), (2, 64, 4, 8)] if B > 1 else [(8, 64, 4, 8), (32, 64, 4, 8)]
+        for nsplit, bn, nacc, nw in cfgs:
+            var = f"triton nsplit={nsplit or 'auto'} bn={bn} nacc={nacc} warps={nw}"
+            try:
+                out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+                mtk.sparse_mla_decode(q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw, out=out)
+                torch.cuda.synchronize()
+                err = rel(out, ref)
+                chk = {"ok": bool(err < 1e-2) and not bool(out.isnan().any()), "rel_err": err}
+            except Exception as e:
+                chk = {"ok": False, "error": str(e)[:300]}
+            record("sparse_mla", case, var, shape, bytes_, flops,
+                   lambda nsplit=nsplit, bn=bn, nacc=nacc, nw=nw: mtk.sparse_mla_decode(
+                       q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw),
+                   check=chk, reps=args.reps)
+        eager = lambda: mref.sparse_mla_decode_eager(q, cache, bt, idx, sm)
+        echk = {"rel_err": rel(eager(), ref)}
+        record("sparse_mla", case, "eager gather+attention bf16", shape, bytes_, flops, eager, graph=False,
+               check=echk, reps=max(5, args.reps // 3))
+        record("sparse_mla", case, "eager gather+attention bf16", shape, bytes_, flops, eager, graph=True,
+               check=echk, reps=max(5, args.reps // 3))
+        if not args.no_compile:
+            comp = torch.compile(mref.sparse_mla_decode_eager, dynamic=False)
+            record("sparse_mla", case, "torch.compile(eager)", shape, bytes_, flops,
+                   lambda: comp(q, cache, bt, idx, sm), graph=True, reps=max(5, args.reps // 3))
+        del cache
+        torch.cuda.empty_cache()
+        flush_json(args)
+    # prefill: per query token its own set
+    T, L = 1024, 8192
+    bt, nb = _paged_random(1, L, bs)
+    cache = torch.empty(nb, bs, 656, dtype=torch.uint8, device=DEV)
+    qtk.mla_fp8_quantize_to_cache(torch.randn(nb * bs, 512, device=DEV), torch.randn(nb * bs, 64, device=DEV),
+                                  torch.arange(nb * bs, device=DEV), cache)
+    idx = torch.rand(T, L, device=DEV).argsort(-1)[:, :topk].int().contiguous()
+    q = (torch.randn(T, H, 576, device=DEV) * 0.3).bfloat16()
+    record("sparse_mla", f"prefill T={T}", "triton rows=T nsplit=1", {"T": T, "H": H, "topk": topk},
+           T * topk * 656 + q.numel() * 2 + T * H * 1024, 2 * T * H * topk * 1088,
+           lambda: mtk.sparse_mla_prefill(q, cache, bt[0], idx), graph=True, reps=10,
+           note="gathered rows per query token (no cross-token KV reuse)")
+    flush_json(args)
+
+
+# ------------------------------------------------------------------ KDA decode
+def kda_decode_section(args):
+    H, D = 96, 128
+    try:
+        from fla.ops.kda import fused_recurrent_kda
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception as e:
+        fused_recurrent_kda = fused_recurrent_kda_fwd = None
+        log("fla not importable:", e)
+    for B in (1, 64):
+        case = f"B={B},H={H}"
+        q = kref.l2norm_ref(torch.randn(B, H, D, device=DEV)).mul(D ** -0.5).bfloat16()
+        k = kref.l2norm_ref(torch.randn(B, H, D, device=DEV)).bfloat16()
+        v = torch.randn(B, H, D, device=DEV).bfloat16()
+        g = (-5 * torch.rand(B, H, D, device=DEV))
+        beta = torch.rand(B, H, device=DEV)
+        S0 = torch.randn(B, H, D, D, device=DEV) * 0.1
+        shape = {"B": B, "H": H, "Dk": D, "Dv": D, "state": "fp32 [B,H,K,V] in place"}
+        bytes_ = 2 * S0.numel() * 4 + B * H * D * (2 * 4 + 4 + 2)
+        flops = 6 * B * H * D * D
+        ro = kref.kda_decode_eager(q, k, v, g, beta, S0.clone())
+        rS = S0.clone()
+        kref.kda_decode_eager(q, k, v, g, beta, rS)
+        S = S0.clone()
+        for bv, nw in ((32, 4), (64, 4), (128, 8), (16, 2)):
+            try:
+                S.copy_(S0)
+                out = torch.full((B, H, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+                ktk.kda_decode_step(q, k, v, g, beta, S, out=out, bv=bv, num_warps=nw)
+                torch.cuda.synchronize()
+                chk = {"ok": rel(out, ro) < 1e-2 and rel(S, rS) < 1e-5, "rel_err_o": rel(out, ro),
+                       "rel_err_state": rel(S, rS)}
+            except Exception as e:
+                chk = {"ok": False, "error": str(e)[:300]}
+            record("kda_decode", case, f"triton in-place bv={bv} warps={nw}", shape, bytes_, flops,
+                   lambda bv=bv, nw=nw: ktk.kda_decode_step(q, k, v, g, beta, S, bv=bv, num_warps=nw),
+                   check=chk, reps=args.reps)
+        record("kda_decode", case, "triton in-place bv=32 (direct)", shape, bytes_, flops,
+               lambda: ktk.kda_decode_step(q, k, v, g, beta, S), graph=False, reps=args.reps)
+        if fused_recurrent_kda is not None:
+            q4, k4, v4, g4, b4 = (x[:, None] for x in (q, k, v, g, beta))
+            fo, fS = fused_recurrent_kda(q4, k4, v4, g4, b4, scale=1.0, initial_state=S0.clone(),
+                                         output_final_state=True)
+            fchk = {"rel_err_o_vs_ref": rel(fo[:, 0], ro), "rel_err_state": rel(fS, rS)}
+            for gr in (False, True):
+                record("kda_decode", case, "fla fused_recurrent_kda (new state)", shape, bytes_, flops,
+                       lambda: fused_recurrent_kda(q4, k4, v4, g4, b4, scale=1.0, initial_state=S,
+                                                   output_final_state=True), graph=gr, check=fchk, reps=args.reps)
+            record("kda_decode", case, "fla fused_recurrent_kda_fwd (in place)", shape, bytes_, flops,
+                   lambda: fused_recurrent_kda_fwd(q4, k4, v4, g4, b4, scale=1.0, initial_state=S,
+                                                   inplace_final_state=True), graph=True, reps=args.reps)
+        eager = lambda: kref.kda_decode_eager(q, k, v, g, beta, S)
+        record("kda_decode", case, "eager unfused fp32", shape, bytes_, flops, eager, graph=False, reps=args.reps)
+        record("kda_decode", case, "eager unfused fp32", shape, bytes_, flops, eager, graph=True, reps=args.reps)
+        if not args.no_compile:
+            comp = torch.compile(kref.kda_decode_eager, dynamic=False)
+            record("kda_decode", case, "torch.compile(eager)", shape, bytes_, flops,
+                   lambda: comp(q, k, v, g, beta, S), graph=True, reps=args.reps)
+        flush_json(args)
+
+
+# ------------------------------------------------------------------ KDA prefill
+def kda_prefill_section(args):
+    D, T = 128, 32768
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda import chunk_kda
+    except Exception as e:
+        log("fla not importable, skipping KDA prefill:", e)
+        return
+    for H in (12, 96):
+        case = f"B=1,T={T},H={H}"
+        C = H * D
+        torch.manual_seed(H)
+        xq, xk, xv, f, gate = (torch.randn(1, T, C, device=DEV, dtype=torch.bfloat16) for _ in range(5))
+        wq, wk, wv = (torch.randn(C, 4, device=DEV, dtype=torch.bfloat16) * 0.5 for _ in range(3))
+        b = torch.randn(1, T, H, device=DEV, dtype=torch.bfloat16)
+        A_log = torch.randn(H, device=DEV) * 0.5
+        dt_bias = torch.randn(C, device=DEV) * 0.5
+        ow = torch.ones(D, device=DEV, dtype=torch.bfloat16)
+        shape = {"B": 1, "T": T, "H": H, "D": D, "chunk": 64}
+        core_bytes = T * H * D * (2 * 4 + 4) + T * H * 4
+        io_bytes = T * C * 2 * 5 + T * H * 2 + T * C * 2  # x q/k/v, f, gate, b in; out
+        flops = 2 * H * (6 * T * D * D + 3 * T * 64 * D + T * 64 * 64)
+        q, k, v, g, beta = ktk.kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias)
+
+        def fla_pipeline():
+            cq = causal_conv1d(xq, wq, activation="silu")[0]
+            ck = causal_conv1d(xk, wk, activation="silu")[0]
+            cv = causal_conv1d(xv, wv, activation="silu")[0]
+            o, st = chunk_kda(cq.view(1, T, H, D), ck.view(1, T, H, D), cv.view(1, T, H, D), f.view(1, T, H, D), b,
+                              output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                              safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
+                              use_beta_sigmoid_in_kernel=True)
+            return rms_norm_gated(o, gate.view(1, T, H, D), ow, None, activation="sigmoid", eps=1e-5), st
+
+        def ours(gif):
+            return ktk.kda_prefill_fused(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, ow, gate_in_fla=gif)
+
+        try:
+            fo, fS = fla_pipeline()
+            chk = {}
+            for gif in (True, False):
+                oo, oS = ours(gif)
+                chk[f"gate_in_fla={gif}"] = {"rel_err_out_vs_fla": rel(oo.view(-1), fo.reshape(-1)),
+                                             "rel_err_state_vs_fla": rel(oS, fS)}
+        except Exception as e:
+            chk = {"error": str(e)[:300]}
+        rp = max(3, args.reps // 6)
+        record("kda_prefill", case, "fla chunk_kda core only (pre-activated inputs)", shape, core_bytes, flops,
+               lambda: chunk_kda(q, k, v, g, beta, scale=1.0, output_final_state=True), graph=False, reps=rp)
+        record("kda_prefill", case, "fla pipeline: conv x3 + chunk_kda(in-kernel l2/gate/beta) + rms_norm_gated",
+               shape, core_bytes + io_bytes, flops, fla_pipeline, graph=False, reps=rp)
+        for gif in (True, False):
+            record("kda_prefill", case, f"ours: fused pre + fla chunk_kda + fused post (gate_in_fla={gif})", shape,
+                   core_bytes + io_bytes, flops, lambda gif=gif: ours(gif), graph=False, reps=rp, check=chk)
+        record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 4 + T * H * D * (6 + 4), 0,
+               lambda: ktk.kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias), graph=False, reps=rp)
+        if H == 12:
+            try:
+                from fla.ops.kda.naive import naive_chunk_kda
+
+                def eager():
+                    qq, kk, vv, gg, bb = kref.kda_prefill_preprocess_ref(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias)
+                    o, st = naive_chunk_kda(qq, kk, vv, gg, bb, scale=1.0, output_final_state=True)
+                    return kref.kda_output_norm_ref(o, gate, ow), st
+                record("kda_prefill", case, "eager unfused torch (fla naive_chunk_kda + torch pre/post)", shape,
+                       core_bytes + io_bytes, flops, eager, graph=False, reps=2)
+            except Exception as e:
+                log("eager prefill failed:", e)
+        del xq, xk, xv, f, gate, q, k, v, g, beta
+        torch.cuda.empty_cache()
+        flush_json(args)
+
+
+# ------------------------------------------------------------------ quantize
+def quant_section(args):
+    N, bs = 131072, 64
+    x = torch.randn(N, 128, device=DEV, dtype=torch.bfloat16)
+    slots = torch.randperm(N, device=DEV)
+    codes = torch.empty(N // bs, bs, 128, dtype=torch.uint8, device=DEV)
+    scales = torch.empty(N // bs, bs, 4, dtype=torch.uint8, device=DEV)
+    for rnd in ("floor", "ceil"):
+        qtk.mxfp8_quantize_to_cache(x, slots, codes, scales, rnd)
+        rc, rs = iref.mxfp8_quantize_ref(x[:4096].float().cpu(), rnd)
+        gc = codes.view(-1, 128)[slots[:4096]].cpu()
+        gs = scales.view(-1, 4)[slots[:4096]].cpu()
+        chk = {"ok": bool(torch.equal(gs, rs)) and float((gc == rc).float().mean()) >= 0.9999,
+               "code_match": float((gc == rc).float().mean())}
+        record("quant", f"mxfp8 index-K N={N}", f"triton rounding={rnd}", {"N": N, "D": 128}, N * (256 + 132 + 8), 0,
+               lambda rnd=rnd: qtk.mxfp8_quantize_to_cache(x, slots, codes, scales, rnd), check=chk, reps=args.reps)
+    c = torch.randn(N, 512, device=DEV, dtype=torch.bfloat16)
+    pe = torch.randn(N, 64, device=DEV, dtype=torch.bfloat16)
+    cache = torch.empty(N // bs, bs, 656, dtype=torch.uint8, device=DEV)
+    qtk.mla_fp8_quantize_to_cache(c, pe, slots, cache)
+    ref = mref.mla_fp8_quantize_ref(c[:2048].cpu(), pe[:2048].cpu())
+    got = cache.view(-1, 656)[slots[:2048]].cpu()
+    chk = {"ok": bool(torch.equal(got[:, 512:], ref[:, 512:])) and float((got == ref).float().mean()) >= 0.9999,
+           "byte_match": float((got == ref).float().mean())}
+    record("quant", f"mla fp8 tile N={N}", "triton ue8m0", {"N": N}, N * (1152 + 656 + 8), 0,
+           lambda: qtk.mla_fp8_quantize_to_cache(c, pe, slots, cache), check=chk, reps=args.reps)
+    flush_json(args)
+
+
+def flush_json(args):
+    RESULTS["rows"] = ROWS
+    RESULTS["floors"] = FLOOR
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(RESULTS, fh, indent=1, default=str)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"),
+                                                  f"gpu_kernels_{datetime.date.today().isoformat()}.json"))
+    ap.add_argument("--sections", default="floors,indexer,mla,kda_decode,quant,kda_prefill")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    import triton
+    RESULTS.update({
+        "command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(),
+        "device": torch.cuda.get_device_name(0), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
+        "timing": "CUDA events, median over reps; 256 MiB L2 flush before each rep; graph = CUDA graph replay",
+    })
+    try:
+        import fla
+        RESULTS["fla"] = getattr(fla, "__version__", "?")
+    except Exception:
+        RESULTS["fla"] = None
+    secs = args.sections.split(",")
+    if "floors" not in secs:
+        secs = ["floors"] + secs
+    t0 = time.time()
+    for s in secs:
+        log(f"== {s} (t={time.time() - t0:.0f}s)")
+        try:
+            {"floors": floors, "indexer": lambda: indexer_section(args), "mla": lambda: mla_section(args),
+             "kda_decode": lambda: kda_decode_section(args), "kda_prefill": lambda: kda_prefill_section(args),
+             "quant": lambda: quant_section(args)}[s]()
+        except Exception:
+            log(traceback.format_exc())
+        flush_json(args)
+    log(f"done in {time.time() - t0:.0f}s -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Triton kernels for KDA: the recurrent decode step (state updated in place) and the fused prefill pre/post work
+around fla-core's `chunk_kda` (the chunked WY/UT core; fla is a legitimate dependency of the CUDA backend).
+Semantics: plugins/kda/torch_ref.py.
+
+- `kda_decode_step`: one program per (sequence*head, BV-slice of V); loads the [Dk, BV] fp32 state slice once, does
+  decay, delta correction, rank-1 update and readout in registers, writes the slice back in place. Optional in-kernel
+  L2 norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid.
+- `kda_prefill_preprocess`: one pass over the projection outputs: causal depthwise conv (kernel 4, zero history) +
+  SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate, beta sigmoid.
+- `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
+- `kda_prefill_fused`: preprocess -> fla chunk_kda -> output norm/gate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional: importing this module on a CPU machine without it must work
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _kda_decode_kernel(Q, K, V, G, BETA, S, O, A_LOG, DT_BIAS, scale, lower_bound,
+                           H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
+                           L2NORM: tl.constexpr, GATE: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        iv = tl.program_id(1)
+        dk = tl.arange(0, DK)
+        dv = iv * BV + tl.arange(0, BV)
+        sp = S + bh * DK * DV + dk[:, None] * DV + dv[None, :]
+        st = tl.load(sp)
+        q = tl.load(Q + bh * DK + dk).to(tl.float32)
+        k = tl.load(K + bh * DK + dk).to(tl.float32)
+        g = tl.load(G + bh * DK + dk).to(tl.float32)
+        v = tl.load(V + bh * DV + dv).to(tl.float32)
+        b = tl.load(BETA + bh).to(tl.float32)
+        if L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+        q = q * scale
+        if GATE:
+            h = bh % H
+            a = tl.exp(tl.load(A_LOG + h).to(tl.float32))
+            g = lower_bound * tl.sigmoid(a * (g + tl.load(DT_BIAS + h * DK + dk).to(tl.float32)))
+        if BETA_SIGMOID:
+            b = tl.sigmoid(b)
+        st = st * tl.exp(g)[:, None]
+        u = (v - tl.sum(st * k[:, None], 0)) * b
+        st = st + k[:, None] * u[None, :]
+        o = tl.sum(st * q[:, None], 0)
+        tl.store(sp, st)
+        tl.store(O + bh * DV + dv, o.to(O.dtype.element_ty))
+
+    @triton.jit
+    def _conv_silu_tile(X, W, stride_t, t, c, T):
+        # y[t, c] = silu(sum_j w[c, j] x[t - 3 + j, c]), zero history; X points at this sequence's row 0
+        acc = tl.zeros([t.shape[0], c.shape[0]], tl.float32)
+        for j in tl.static_range(4):
+            tt = t - 3 + j
+            m = (tt >= 0) & (tt < T)
+            x = tl.load(X + tt[:, None] * stride_t + c[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+            acc += x * tl.load(W + c * 4 + j).to(tl.float32)[None, :]
+        return acc * tl.sigmoid(acc)
+
+    @triton.jit
+    def _kda_pre_kernel(XQ, XK, XV, WQ, WK, WV, F, BB, A_LOG, DT_BIAS, OQ, OK, OV, OG, OB,
+                        T, sxq, sxk, sxv, sf, sb, scale, lower_bound,
+                        H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, WRITE_G: tl.constexpr):
+        bid = tl.program_id(0).to(tl.int64)
+        it = tl.program_id(1)
+        h = tl.program_id(2)
+        t = it * BT + tl.arange(0, BT)
+        tm = t < T
+        dd = tl.arange(0, D)
+        c = h * D + dd
+        orow = ((bid * T + t[:, None]) * H + h) * D + dd[None, :]
+        q = _conv_silu_tile(XQ + bid * T * sxq, WQ, sxq, t, c, T)
+        q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
+        tl.store(OQ + orow, q.to(OQ.dtype.element_ty), mask=tm[:, None])
+        k = _conv_silu_tile(XK + bid * T * sxk, WK, sxk, t, c, T)
+        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=tm[:, None])
+        v = _conv_silu_tile(XV + bid * T * sxv, WV, sxv, t, c, T)
+        tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=tm[:, None])
+        if WRITE_G:
+            f = tl.load(F + (bid * T + t[:, None]) * sf + c[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
+            a = tl.exp(tl.load(A_LOG + h).to(tl.float32))
+            g = lower_bound * tl.sigmoid(a * (f + tl.load(DT_BIAS + c).to(tl.float32)[None, :]))
+            tl.store(OG + orow, g, mask=tm[:, None])
+        braw = tl.load(BB + (bid * T + t) * sb + h, mask=tm, other=0.0).to(tl.float32)
+        tl.store(OB + (bid * T + t) * H + h, tl.sigmoid(braw), mask=tm)
+
+    @triton.jit
+    def _kda_post_kernel(O, GATE, W, OUT, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BR: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # row = (b*T + t)*H + h
+        rm = rows < n_rows
+        dd = tl.arange(0, D)
+        off = rows[:, None] * D + dd[None, :]
+        o = tl.load(O + off, mask=rm[:, None], other=0.0).to(tl.float32)
+        gt = tl.load(GATE + off, mask=rm[:, None], other=0.0).to(tl.float32)
+        y = o * tl.rsqrt(tl.sum(o * o, 1) / D + eps)[:, None] * tl.load(W + dd).to(tl.float32)[None, :]
+        tl.store(OUT + off, (y * tl.sigmoid(gt)).to(OUT.dtype.element_ty), mask=rm[:, None])
+
+
+def _need_triton():
+    if triton is None:
+        raise RuntimeError("KDA Triton kernels need triton and a CUDA GPU")
+
+
+def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, *, scale: float = 1.0, out: torch.Tensor | None = None,
+                    A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                    lower_bound: float = -5.0, use_qk_l2norm: bool = False, use_beta_sigmoid: bool = False,
+                    bv: int = 32, num_warps: int = 4) -> torch.Tensor:
+    """One KDA step, state [B, H, K, V] fp32 updated IN PLACE. q, k, g [B, H, K] (or [B, 1, H, K]), v [B, H, V],
+    beta [B, H]. With A_log/dt_bias given, g is the raw gate input f and the safe gate is computed in-kernel.
+    Returns o [B, H, V] (dtype of v)."""
+    _need_triton()
+    B, H, DK, DV = state.shape
+    assert state.dtype == torch.float32 and state.is_contiguous()
+    q, k, g, v = (x.reshape(B, H, -1).contiguous() for x in (q, k, g, v))
+    beta = beta.reshape(B, H).contiguous()
+    if out is None:
+        out = torch.empty(B, H, DV, dtype=v.dtype, device=v.device)
+    gate = A_log is not None
+    _kda_decode_kernel[(B * H, DV // bv)](q, k, v, g, beta, state, out, A_log if gate else g,
+                                          dt_bias if gate else g, scale, lower_bound, H=H, DK=DK, DV=DV, BV=bv,
+                                          L2NORM=use_qk_l2norm, GATE=gate, BETA_SIGMOID=use_beta_sigmoid,
+                                          num_warps=num_warps)
+    return out
+
+
+def kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound: float = -5.0,
+                           scale: float | None = None, bt: int = 32, num_warps: int = 4, write_g: bool = True):
+    """Projection outputs x* [B, T, H*D] (rows may be strided, e.g. views of one qkv tensor), conv weights w* [H*D, 4],
+    f [B, T, H*D], b [B, T, H] -> q, k, v [B, T, H, D] bf16, g [B, T, H, D] fp32 (None if not write_g: the gate is
+    then left to fla's in-kernel gate), beta [B, T, H] fp32."""
+    _need_triton()
+    B, T, H = b.shape
+    D = xq.shape[-1] // H
+    scale = D ** -0.5 if scale is None else scale
+    for x in (xq, xk, xv, f, b):
+        assert x.stride(-1) == 1 and x.stride(0) == T * x.stride(1), "inputs must be row-strided [B, T, C]"
+    dev = xq.device
+    oq = torch.empty(B, T, H, D, dtype=torch.bfloat16, device=dev)
+    ok, ov = torch.empty_like(oq), torch.empty_like(oq)
+    og = torch.empty(B, T, H, D, dtype=torch.float32, device=dev) if write_g else oq
+    ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    grid = (B, triton.cdiv(T, bt), H)
+    _kda_pre_kernel[grid](xq, xk, xv, wq.contiguous(), wk.contiguous(), wv.contiguous(), f, b, A_log, dt_bias,
+                          oq, ok, ov, og, ob, T, xq.stride(1), xk.stride(1), xv.stride(1), f.stride(1), b.stride(1),
+                          scale, lower_bound, H=H, D=D, BT=bt, WRITE_G=write_g, num_warps=num_warps)
+    return oq, ok, ov, (og if write_g else None), ob
+
+
+def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfloat16, br: int = 16):
+    """o [B, T, H, D], gate [B, T, H*D] contiguous -> RMSNorm_D(o) * weight * sigmoid(gate) as [B, T, H*D]."""
+    _need_triton()
+    B, T, H, D = o.shape
+    o, gate = o.contiguous(), gate.contiguous()
+    out = torch.empty(B, T, H * D, dtype=out_dtype, device=o.device)
+    n = B * T * H
+    _kda_post_kernel[(triton.cdiv(n, br),)](o, gate, weight, out, n, eps, H=H, D=D, BR=br, num_warps=4)
+    return out
+
+
+def kda_prefill_fused(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, o_weight, *, lower_bound: float = -5.0,
+                      scale: float | None = None, eps: float = 1e-5, initial_state=None,
+                      output_final_state: bool = True, gate_in_fla: bool = True):
+    """Full KDA prefill core: our fused pre-kernel -> fla-core chunk_kda (chunk 64) -> our fused norm/gate kernel.
+    gate_in_fla: leave the safe gate to chunk_kda's fp32 in-kernel gate+cumsum (saves writing g in fp32) instead of
+    computing it in the pre-kernel. Returns (out [B, T, H*D] bf16, final_state [B, H, K, V] fp32 or None)."""
+    from fla.ops.kda import chunk_kda
+
+    q, k, v, g, beta = kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound, scale,
+                                              write_g=not gate_in_fla)
+    if gate_in_fla:
+        B, T, H = b.shape
+        o, st = chunk_kda(q, k, v, f.reshape(B, T, H, -1), beta, scale=1.0, initial_state=initial_state,
+                          output_final_state=output_final_state, use_gate_in_kernel=True, safe_gate=True,
+                          lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
+    else:
+        o, st = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=initial_state,
+                          output_final_state=output_final_state)
+    return kda_output_norm_gate(o, gate, o_weight, eps), st

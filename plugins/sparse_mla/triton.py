@@ -1,0 +1,205 @@
+"""Triton kernels: sparse MLA attention (absorbed / MQA, 576-wide keys, 512-wide values) over the FP8 tile-128 latent
+cache at the selected positions. Semantics: plugins/sparse_mla/torch_ref.py.
+
+One program = (query row, block of BH=64 heads, split of the top-k list[, value-dim part]). Per tile of BN selected
+positions it gathers the 656-byte rows through the block table, converts the E4M3 codes to bf16 (exact) and, instead
+of dequantizing, folds the per-tile fp32 scale into the math: S = q_pe.k_pe + sum_t s_t (q_t . c_t) and
+acc_t += (P * s_t) @ c_t, so the tensor cores see raw codes. Online softmax in base 2 (fp32). With one split the
+program writes bf16 output directly; otherwise partial (out, lse) go to a workspace and `_combine_kernel` merges them.
+Prefill is the same kernel with one row per query token (each its own selected set) and one block-table row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # triton is optional: importing this module on a CPU machine without it must work
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _sparse_mla_kernel(Q, KV8, KV32, KV16, BT, ROW_SEQ, IDX, O, OPART, LSE, qk_scale_log2,
+                           stride_bt, topk, per_split,
+                           BS: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                           NACC: tl.constexpr, NSPLIT: tl.constexpr):
+        r = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2) // (4 // NACC)
+        pdv = tl.program_id(2) % (4 // NACC)
+        seq = tl.load(ROW_SEQ + r).to(tl.int64)
+        hh = hb * BH + tl.arange(0, BH)
+        d = tl.arange(0, 128)
+        de = tl.arange(0, 64)
+        qrow = Q + (r.to(tl.int64) * H + hh[:, None]) * 576
+        q0 = tl.load(qrow + d[None, :])
+        q1 = tl.load(qrow + 128 + d[None, :])
+        q2 = tl.load(qrow + 256 + d[None, :])
+        q3 = tl.load(qrow + 384 + d[None, :])
+        qe = tl.load(qrow + 512 + de[None, :])
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc0 = tl.zeros([BH, 128], tl.float32)
+        if NACC >= 2:
+            acc1 = tl.zeros([BH, 128], tl.float32)
+        if NACC == 4:
+            acc2 = tl.zeros([BH, 128], tl.float32)
+            acc3 = tl.zeros([BH, 128], tl.float32)
+        start = sp * per_split
+        end = tl.minimum(start + per_split, topk)
+        for n0 in range(start, end, BN):
+            nn = n0 + tl.arange(0, BN)
+            ids = tl.load(IDX + r.to(tl.int64) * topk + nn, mask=nn < end, other=-1)
+            valid = ids >= 0
+            blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
+            row = blk * BS + ids % BS
+            cp = KV8 + row[:, None] * 656 + d[None, :]
+            c0 = tl.load(cp, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            c1 = tl.load(cp + 128, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            c2 = tl.load(cp + 256, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            c3 = tl.load(cp + 384, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            sp32 = KV32 + row * 164 + 128
+            s0 = tl.load(sp32, mask=valid, other=0.0)
+            s1 = tl.load(sp32 + 1, mask=valid, other=0.0)
+            s2 = tl.load(sp32 + 2, mask=valid, other=0.0)
+            s3 = tl.load(sp32 + 3, mask=valid, other=0.0)
+            kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(qe, tl.trans(kpe))
+            s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
+            s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
+            s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
+            s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            if NACC == 4:
+                acc0 = acc0 * alpha[:, None] + tl.dot((p * s0[None, :]).to(tl.bfloat16), c0)
+                acc1 = acc1 * alpha[:, None] + tl.dot((p * s1[None, :]).to(tl.bfloat16), c1)
+                acc2 = acc2 * alpha[:, None] + tl.dot((p * s2[None, :]).to(tl.bfloat16), c2)
+                acc3 = acc3 * alpha[:, None] + tl.dot((p * s3[None, :]).to(tl.bfloat16), c3)
+            elif NACC == 2:
+                if pdv == 0:
+                    acc0 = acc0 * alpha[:, None] + tl.dot((p * s0[None, :]).to(tl.bfloat16), c0)
+                    acc1 = acc1 * alpha[:, None] + tl.dot((p * s1[None, :]).to(tl.bfloat16), c1)
+                else:
+                    acc0 = acc0 * alpha[:, None] + tl.dot((p * s2[None, :]).to(tl.bfloat16), c2)
+                    acc1 = acc1 * alpha[:, None] + tl.dot((p * s3[None, :]).to(tl.bfloat16), c3)
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        if NSPLIT == 1:
+            orow = O + (r.to(tl.int64) * H + hh[:, None]) * 512 + pdv * (128 * NACC) + d[None, :]
+            tl.store(orow, (acc0 * inv[:, None]).to(tl.bfloat16))
+            if NACC >= 2:
+                tl.store(orow + 128, (acc1 * inv[:, None]).to(tl.bfloat16))
+            if NACC == 4:
+                tl.store(orow + 256, (acc2 * inv[:, None]).to(tl.bfloat16))
+                tl.store(orow + 384, (acc3 * inv[:, None]).to(tl.bfloat16))
+        else:
+            prow = OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + pdv * (128 * NACC) + d[None, :]
+            tl.store(prow, acc0 * inv[:, None])
+            if NACC >= 2:
+                tl.store(prow + 128, acc1 * inv[:, None])
+            if NACC == 4:
+                tl.store(prow + 256, acc2 * inv[:, None])
+                tl.store(prow + 384, acc3 * inv[:, None])
+            if pdv == 0:
+                lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+                tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
+
+    @triton.jit
+    def _combine_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, NSP2)
+        sm = s < NSPLIT
+        lse = tl.load(LSE + (r.to(tl.int64) * NSPLIT + s) * H + h, mask=sm, other=float("-inf"))
+        mx = tl.max(lse, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        wgt = tl.exp2(lse - mx)
+        tot = tl.sum(wgt, 0)
+        wgt = tl.where(tot > 0, wgt / tot, 0.0)
+        d = tl.arange(0, 512)
+        o = tl.load(OPART + ((r.to(tl.int64) * NSPLIT + s[:, None]) * H + h) * 512 + d[None, :], mask=sm[:, None],
+                    other=0.0)
+        tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o * wgt[:, None], 0).to(tl.bfloat16))
+
+
+_WS: dict = {}
+_AR: dict = {}
+
+
+def _num_sms(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=None, bn=64, nacc=4, num_warps=8,
+                num_stages=1, out=None):
+    if triton is None:
+        raise RuntimeError("sparse_mla Triton kernels need triton and a CUDA GPU")
+    R, H, Dq = q.shape
+    assert nacc in (2, 4), "nacc (value tiles of 128 per program) must be 4 or 2"
+    assert Dq == 576 and kv_cache.shape[-1] == 656 and kv_cache.dtype == torch.uint8 and H % 64 == 0
+    q = q.contiguous()
+    indices = indices.to(torch.int32).contiguous()
+    topk = indices.shape[1]
+    bs = kv_cache.shape[1]
+    flat = kv_cache.view(-1, 656)
+    kv32 = flat.view(torch.float32)
+    kv16 = flat.view(torch.bfloat16)
+    BH = 64
+    ndv = 4 // nacc
+    if nsplit is None:  # aim at ~2 programs per SM
+        base = R * (H // BH) * ndv
+        nsplit = max(1, min(triton.cdiv(topk, bn), (2 * _num_sms(q.device)) // base))
+    per_split = triton.cdiv(triton.cdiv(topk, nsplit), bn) * bn
+    nsplit = triton.cdiv(topk, per_split)
+    if out is None:
+        out = torch.empty(R, H, 512, dtype=torch.bfloat16, device=q.device)
+    if nsplit > 1:
+        key = (str(q.device), R, nsplit, H)
+        if key not in _WS:
+            _WS[key] = (torch.empty(R, nsplit, H, 512, dtype=torch.float32, device=q.device),
+                        torch.empty(R, nsplit, H, dtype=torch.float32, device=q.device))
+        opart, lse = _WS[key]
+    else:
+        opart, lse = out, out
+    grid = (R, H // BH, nsplit * ndv)
+    _sparse_mla_kernel[grid](q, flat, kv32, kv16, block_table, row_seq, indices, out, opart, lse,
+                             sm_scale * 1.4426950408889634, block_table.stride(0), topk, per_split,
+                             BS=bs, H=H, BH=BH, BN=bn, NACC=nacc, NSPLIT=nsplit,
+                             num_warps=num_warps, num_stages=num_stages)
+    if nsplit > 1:
+        _combine_kernel[(R, H)](opart, lse, out, H=H, NSPLIT=nsplit, NSP2=triton.next_power_of_2(nsplit),
+                                num_warps=4)
+    return out
+
+
+def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
+                      sm_scale: float | None = None, *, nsplit: int | None = None, bn: int = 64, nacc: int = 4,
+                      num_warps: int = 8, num_stages: int = 1, out=None) -> torch.Tensor:
+    """q [B, H, 576] bf16, kv_cache [NB, BS, 656] u8, block_table [B, MB] i32, indices [B, topk] i32 (positions in
+    sequence b, -1 = none) -> out [B, H, 512] bf16. sm_scale defaults to 576^-0.5."""
+    B = q.shape[0]
+    key = (str(q.device), B)
+    if key not in _AR:
+        _AR[key] = torch.arange(B, dtype=torch.int32, device=q.device)
+    sm_scale = 576 ** -0.5 if sm_scale is None else sm_scale
+    return _sparse_mla(q, kv_cache, block_table, _AR[key], indices, sm_scale, nsplit, bn, nacc, num_warps,
+                       num_stages, out)
+
+
+def sparse_mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table_row: torch.Tensor, indices: torch.Tensor,
+                       sm_scale: float | None = None, **kw) -> torch.Tensor:
+    """One sequence, per query token its own selected set: q [T, H, 576], indices [T, topk] -> out [T, H, 512]."""
+    T = q.shape[0]
+    row_seq = torch.zeros(T, dtype=torch.int32, device=q.device)
+    sm_scale = 576 ** -0.5 if sm_scale is None else sm_scale
+    kw.setdefault("nsplit", 1)
+    return _sparse_mla(q, kv_cache, block_table_row.reshape(1, -1), row_seq, indices, sm_scale, **kw)
+

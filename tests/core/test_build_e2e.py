@@ -1,0 +1,158 @@
+"""End to end on CPU: recipe -> trace -> passes -> ONNX Runtime artifact -> runtime, against the reference."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kimi_compile.artifact import ArtifactError
+from kimi_compile.build import build
+from kimi_compile.cache import CompileCache
+from kimi_compile.cli import main
+from kimi_compile.model import load_pretrained
+from kimi_compile.recipe import load_recipe, with_overrides
+from kimi_compile.runtime import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("build")
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny.yaml"))
+    cache = CompileCache(root=tmp / "cache")
+    res = build(recipe, tmp / "art", verify=True, cache=cache)
+    return recipe, res, cache, tmp
+
+
+def _reference_greedy(model, prompt, n):
+    ids = list(prompt)
+    out = []
+    for _ in range(n):
+        nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+    return out
+
+
+def test_verify_after_every_pass_within_tolerance(built):
+    _, res, _, _ = built
+    rows = res.manifest["verify"]
+    assert {(r["phase"], r["after"]) for r in rows} >= {("prefill", "trace"), ("decode", "cleanup"),
+                                                          ("decode", "infer_shapes")}
+    assert max(r["rel_err"] for r in rows) < 1e-5
+
+
+def test_graph_signature_has_every_cache(built):
+    _, res, _, _ = built
+    ins = [i["name"] for i in res.manifest["graphs"]["decode"]["inputs"]]
+    assert ins[:4] == ["input_ids", "start", "lengths", "block_table"]
+    assert {"conv.0", "state.0", "kv.3", "index_k.3", "kv.5", "index_k.5"} <= set(ins)
+    hist = res.manifest["graphs"]["prefill"]["op_histogram"]
+    assert hist["kimi.KDARecurrence"] == 4 and hist["kimi.PagedGather"] == 4 and hist["kimi.PagedWrite"] == 4
+    assert res.manifest["backend"]["shared_initializers"] > 0  # prefill and decode share the weight bytes
+
+
+def test_runtime_greedy_matches_reference_on_ragged_batch(built, tmp_path):
+    recipe, res, _, tmp = built
+    sess = load(res.artifact)
+    prompts = [[5, 17, 200, 3, 9, 44, 1], [999, 2], [7, 7, 7, 7]]
+    got = sess.generate(prompts, 6, stop_at_eos=False)
+    from kimi_compile.model import random_checkpoint
+
+    model = load_pretrained(random_checkpoint(recipe.model.preset, recipe.model.seed, tmp_path / "ck"))
+    for p, g in zip(prompts, got):
+        assert g == _reference_greedy(model, p, 6)
+
+
+def test_runtime_logits_match_reference_every_step(built, tmp_path):
+    recipe, res, _, _ = built
+    from kimi_compile.model import random_checkpoint
+
+    model = load_pretrained(random_checkpoint(recipe.model.preset, recipe.model.seed, tmp_path / "ck"))
+    sess = load(res.artifact)
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 1000, 40).tolist()
+    full = model(torch.tensor([seq]))[0].detach().numpy()
+    cache = sess.new_cache(1, 48)
+    pre = sess.prefill([seq[:20]], cache)[0]
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    assert rel(pre, full[:20]) < 1e-5
+    for t in range(20, 40):
+        assert rel(sess.decode([seq[t]], cache)[0], full[t]) < 1e-5
+
+
+def test_sampling_is_seeded(built):
+    sess = load(built[1].artifact)
+    a = sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=4)
+    b = sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=4)
+    assert a == b and len(a[0]) == 8
+
+
+def test_runtime_does_not_import_torch(built):
+    code = (
+        "import sys; from kimi_compile.runtime import load; "
+        f"s = load({str(built[1].artifact)!r}); print(s.generate([[1, 2, 3]], 3)); "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_warm_rebuild_hits_every_stage(built):
+    recipe, res, cache, tmp = built
+    again = build(recipe, tmp / "art2", verify=False, cache=cache)
+    assert all(v["misses"] == 0 for v in again.cache_hits.values()), again.cache_hits
+    a = json.loads((tmp / "art" / "manifest.json").read_text())["files"]
+    b = json.loads((tmp / "art2" / "manifest.json").read_text())["files"]
+    assert {k: v["sha256"] for k, v in a.items() if k.startswith("graphs/")} == \
+        {k: v["sha256"] for k, v in b.items() if k.startswith("graphs/")}
+
+
+def test_tampered_artifact_is_refused(built, tmp_path):
+    import shutil
+
+    art = tmp_path / "copy"
+    shutil.copytree(built[1].artifact, art)
+    with open(art / "graphs" / "weights.bin", "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ArtifactError, match="weights.bin"):
+        load(art)
+
+
+def test_cli_run_inspect_and_errors(built):
+    art = str(built[1].artifact)
+    r = CliRunner().invoke(main, ["run", art, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)["tokens"]) == 4
+    r = CliRunner().invoke(main, ["inspect", art, "--json"])
+    info = json.loads(r.output)
+    assert info["graphs"]["decode"]["kimi_ops"]["kimi.KDARecurrence"] == 4
+    assert [p["name"] for p in info["pass_log"]] == ["cleanup", "infer_shapes", "cleanup", "infer_shapes"]
+    assert any(c["name"] == "index_k.3" and c["bytes_per_token"] == 128 for c in info["cache_layouts"])
+    r = CliRunner().invoke(main, ["run", art, "--prompt-ids", "1,5000"])
+    assert r.exit_code == 1 and "token id 5000" in r.output and "Traceback" not in r.output
+
+
+def test_cli_bad_recipe_is_one_line(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("name: x\nmodel: {preset: kimi-k3-tiny}\nexport: {block_size: -4}\n")
+    r = CliRunner().invoke(main, ["build", str(bad)])
+    assert r.exit_code == 1 and "export.block_size" in r.output and "Traceback" not in r.output
+
+
+def test_unknown_pass_named_with_key_path(tmp_path):
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3-tiny.yaml"))
+    from kimi_compile.pipeline import resolve
+    from kimi_compile.recipe import PassSpec, RecipeError
+
+    with pytest.raises(RecipeError, match=r"passes\[0\].name"):
+        resolve((PassSpec(name="fuse_everything"),), recipe.source)
