@@ -190,17 +190,18 @@ def indexer_section(args):
                 rs, cs = torch.arange(B, dtype=torch.int32, device=DEV), cl
                 cap = bt.shape[1] * bs
 
-                def score_only():
+                def score_only(hist_on):
                     sc, hist, st = itk._workspace(q.device, B, cap)
                     tn = (cap + 63) // 64
                     want = max(1, 4 * torch.cuda.get_device_properties(0).multi_processor_count // B)
                     tpp = max(1, (tn + want - 1) // want)
                     itk._score_kernel[(B, (tn + tpp - 1) // tpp)](q, w, codes, scales, bt, rs, cs, sc, hist,
                                                                   bt.stride(0), cap, tpp, BS=bs, H=H, D=D, BN=64,
-                                                                  num_warps=4, num_stages=2)
+                                                                  HIST_ON=hist_on, num_warps=4, num_stages=2)
                     hist.zero_()
-                record("indexer", case, "triton score pass only (+hist memset)", shape, bytes_, flops, score_only,
-                       reps=args.reps, note="stage timing; leaves workspace clean")
+                for ho in (True, False):
+                    record("indexer", case, f"triton score pass only (hist={ho}) +memset", shape, bytes_, flops,
+                           lambda ho=ho: score_only(ho), reps=args.reps, note="stage timing; leaves workspace clean")
         eager = lambda: iref.indexer_topk_decode_eager(q, w, codes, scales, bt, cl, topk, max_context_len=L)
         ei, ev = eager()
         echk = iref.check_topk(ei, ev.double(), full_cpu, lens, topk, rtol=1e-2)
@@ -261,21 +262,24 @@ def mla_section(args):
         s = (torch.bmm(q.float()[..., :512], ck.transpose(1, 2)) + torch.bmm(q.float()[..., 512:], kp.transpose(1, 2)))
         ref = torch.bmm(torch.softmax(s * sm, -1), ck)
         del rows, ck, kp, s
-        cfgs = [(None, 64, 4, 8), (None, 32, 4, 8), (None, 64, 2, 8), (None, 64, 2, 4)]
-        cfgs += [(1, 64, 4, 8), (2, 64, 4, 8)] if B > 1 else [(8, 64, 4, 8), (32, 64, 4, 8)]
-        for nsplit, bn, nacc, nw in cfgs:
-            var = f"triton nsplit={nsplit or 'auto'} bn={bn} nacc={nacc} warps={nw}"
+        cfgs = [("v1", None, 32, 4, 8, 1), ("v1", None, 64, 2, 8, 1), ("v1", None, 32, 4, 8, 2),
+                ("v2", None, 64, 4, 8, 1), ("v2", None, 32, 4, 8, 1), ("v2", None, 32, 4, 4, 1),
+                ("v2", None, 64, 4, 8, 2)]
+        cfgs += [("v1", 2, 64, 4, 8, 1), ("v2", 2, 64, 4, 8, 1)] if B > 1 else [("v2", 32, 64, 4, 8, 1)]
+        for impl, nsplit, bn, nacc, nw, ns in cfgs:
+            var = f"triton {impl} nsplit={nsplit or 'auto'} bn={bn} nacc={nacc} warps={nw} stages={ns}"
             try:
                 out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
-                mtk.sparse_mla_decode(q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw, out=out)
+                mtk.sparse_mla_decode(q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw, out=out,
+                                      impl=impl, num_stages=ns)
                 torch.cuda.synchronize()
                 err = rel(out, ref)
                 chk = {"ok": bool(err < 1e-2) and not bool(out.isnan().any()), "rel_err": err}
             except Exception as e:
                 chk = {"ok": False, "error": str(e)[:300]}
             record("sparse_mla", case, var, shape, bytes_, flops,
-                   lambda nsplit=nsplit, bn=bn, nacc=nacc, nw=nw: mtk.sparse_mla_decode(
-                       q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw),
+                   lambda nsplit=nsplit, bn=bn, nacc=nacc, nw=nw, impl=impl, ns=ns: mtk.sparse_mla_decode(
+                       q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw, impl=impl, num_stages=ns),
                    check=chk, reps=args.reps)
         eager = lambda: mref.sparse_mla_decode_eager(q, cache, bt, idx, sm)
         echk = {"rel_err": rel(eager(), ref)}

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kimi_compile import __version__, ops
+from kimi_compile.functions import attach_functions
 from kimi_compile.artifact import ArtifactWriter
 from kimi_compile.cache import CompileCache, cache_key
 from kimi_compile.recipe import Recipe
@@ -34,15 +35,17 @@ class BuildError(RuntimeError):
 
 
 def versions() -> dict[str, str]:
-    import onnx
-    import onnx_ir
-    import onnxruntime
-    import onnxscript
-    import torch
+    """Installed versions of the toolchain, read from package metadata (no heavy imports on a warm build)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {"kimi_compile": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "onnx": onnx.__version__, "onnx_ir": onnx_ir.__version__, "onnxscript": onnxscript.__version__,
-            "onnxruntime": onnxruntime.__version__, "numpy": np.__version__}
+    out = {"kimi_compile": __version__, "python": platform.python_version()}
+    for name, dist in (("torch", "torch"), ("onnx", "onnx"), ("onnx_ir", "onnx-ir"), ("onnxscript", "onnxscript"),
+                       ("onnxruntime", "onnxruntime"), ("numpy", "numpy")):
+        try:
+            out[name] = version(dist)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
 
 
 def _fingerprint(path: Path) -> str:
@@ -56,24 +59,36 @@ def _fingerprint(path: Path) -> str:
     return h.hexdigest()
 
 
+def model_source(recipe: Recipe) -> tuple[str, str]:
+    """(weights fingerprint, description) without building the model: a checkpoint's file hashes, or the preset,
+    seed and generator version of a random checkpoint."""
+    if recipe.model.checkpoint:
+        path = Path(recipe.model.checkpoint)
+        if not (path / "config.json").is_file():
+            raise BuildError(f"model.checkpoint: {path} is not an HF checkpoint directory (no config.json)")
+        return _fingerprint(path), str(path)
+    from kimi_compile.config import preset_hf_dict
+
+    spec = {"preset": recipe.model.preset, "seed": recipe.model.seed, "init": RANDOM_INIT_VERSION,
+            "config": preset_hf_dict(recipe.model.preset)}
+    return cache_key(**spec), f"preset {recipe.model.preset} seed {recipe.model.seed}"
+
+
+RANDOM_INIT_VERSION = 1  # bump when weights.init_random changes what a seed produces
+
+
 def load_model(recipe: Recipe, workdir: Path):
     """The reference model from the recipe: a checkpoint dir, or a seeded random checkpoint of the preset (written
-    as an HF checkpoint first, so the real loading path runs). Returns (model, weights fingerprint, source)."""
+    as an HF checkpoint first, so the real loading path runs)."""
     import torch
 
     from kimi_compile.model import load_pretrained, random_checkpoint
 
-    dtype = torch.float32
     if recipe.model.checkpoint:
         path = Path(recipe.model.checkpoint)
-        if not path.is_dir():
-            raise BuildError(f"model.checkpoint: {path} is not a checkpoint directory")
-        source = str(path)
     else:
         path = random_checkpoint(recipe.model.preset, recipe.model.seed, workdir / "checkpoint")
-        source = f"preset {recipe.model.preset} seed {recipe.model.seed}"
-    model = load_pretrained(path, dtype=dtype)
-    return model, _fingerprint(path), source
+    return load_pretrained(path, dtype=torch.float32)
 
 
 # ---- numerical check -------------------------------------------------------------------------------------------
@@ -160,7 +175,8 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
           progress: Callable[[str], None] | None = None) -> BuildResult:
     import onnx_ir as ir
 
-    from kimi_compile import backends, pipeline, trace as tr
+    from kimi_compile import backends, pipeline
+    from kimi_compile.config import from_hf_dict, load_config, preset_hf_dict
 
     say = progress or (lambda msg: log.info(msg))
     cache = cache or CompileCache()
@@ -169,35 +185,46 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
         raise BuildError("parallel: tp/cp > 1 need the partition passes, which this build does not have yet; "
                          "set parallel.tp and parallel.cp to 1")
     backend = backends.get(recipe.backend.name)
-    opts = tr.TraceOptions(block_size=recipe.export.block_size, kda_chunk=recipe.export.prefill_chunk)
+    from kimi_compile.trace_spec import PHASES, TraceOptions, cache_layouts, signature
+
+    opts = TraceOptions(block_size=recipe.export.block_size, kda_chunk=recipe.export.prefill_chunk)
     passes = pipeline.resolve(recipe.passes, recipe.source or recipe.name)
     vers = versions()
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kimi-build-") as work:
-        say("loading model")
-        model, weights_fp, source = load_model(recipe, Path(work))
-        cfg = model.config
+        weights_fp, source = model_source(recipe)
+        cfg = load_config(recipe.model.checkpoint) if recipe.model.checkpoint else \
+            from_hf_dict(preset_hf_dict(recipe.model.preset))
+        _model = []
+
+        def model():  # built only when a stage misses or --verify needs the reference
+            if not _model:
+                say("loading model")
+                _model.append(load_model(recipe, Path(work)))
+            return _model[0]
         trace_key = cache_key(stage="trace", config=cfg.to_dict(), weights=weights_fp, options=dataclasses.asdict(opts),
                               torch=vers["torch"], onnx=vers["onnx"], onnxscript=vers["onnxscript"],
                               onnx_ir=vers["onnx_ir"], kimi_compile=__version__)
 
         def produce_trace(d: Path) -> None:
+            from kimi_compile.trace import trace
+
             say("tracing prefill and decode graphs")
-            for phase, m in tr.trace(model, opts).items():
+            for phase, m in trace(model(), opts).items():
                 ir.save(m, d / f"{phase}.onnx", external_data=f"{phase}.data")
 
         entry, hit = cache.get_or_create("trace", trace_key, produce_trace)
         hits.setdefault("trace", []).append(hit)
-        graphs = {p: ir.load(entry / f"{p}.onnx") for p in tr.PHASES}
+        graphs = {p: ir.load(entry / f"{p}.onnx") for p in PHASES}
         for m in graphs.values():
-            tr.attach_functions(m)
+            attach_functions(m)
 
-        feeds = reference_feeds(model, opts) if verify else None
-        expected = {p: reference_outputs(model, opts, p, feeds[p]) for p in tr.PHASES} if verify else None
+        feeds = reference_feeds(model(), opts) if verify else None
+        expected = {p: reference_outputs(model(), opts, p, feeds[p]) for p in PHASES} if verify else None
         verify_log: list[dict] = []
         pass_log: list[dict] = []
         final_keys = {}
-        for phase in tr.PHASES:
+        for phase in PHASES:
             key = trace_key
             m = graphs[phase]
             if verify:
@@ -223,7 +250,7 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
                 rec = json.loads((entry / "record.json").read_text())
                 rec["cached"] = hit
                 m = ir.load(entry / "graph.onnx")
-                tr.attach_functions(m)
+                attach_functions(m)
                 if verify:
                     err = compare(ort_run(m, feeds[phase]), expected[phase], feeds[phase])
                     verify_log.append({"phase": phase, "after": p.name, "rel_err": err})
@@ -260,9 +287,9 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
                 for n in graphs[phase].graph:
                     k = f"{n.domain}.{n.op_type}" if n.domain else n.op_type
                     hist[k] = hist.get(k, 0) + 1
-                graph_info[phase] = {**g, **tr.signature(graphs[phase]), "node_count": len(graphs[phase].graph),
+                graph_info[phase] = {**g, **signature(graphs[phase]), "node_count": len(graphs[phase].graph),
                                      "op_histogram": dict(sorted(hist.items(), key=lambda kv: -kv[1]))}
-            layouts = tr.cache_layouts(cfg, opts.block_size)
+            layouts = cache_layouts(cfg, opts.block_size)
             w.manifest.update({
                 "tool": {"name": "kimi-compile", "version": __version__},
                 "versions": vers,

@@ -14,10 +14,8 @@ attached after export so ONNX Runtime can inline them.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 
 import onnx
 import onnx_ir as ir
@@ -28,47 +26,20 @@ from torch import Tensor, nn
 from kimi_compile import ops
 from kimi_compile.config import KimiConfig
 from kimi_compile.model.common import Step
+from kimi_compile.functions import attach_functions
 from kimi_compile.model.model import KimiK3ForCausalLM, LayerCache
+from kimi_compile.trace_spec import (  # noqa: F401  (re-exported)
+    PHASES,
+    CacheSpec,
+    TraceOptions,
+    cache_layouts,
+    cache_specs,
+    graph_inputs_for,
+    signature,
+)
 
 log = logging.getLogger(__name__)
 
-PHASES = ("prefill", "decode")
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceOptions:
-    block_size: int = 16
-    kda_chunk: int = 64
-    example_batch: int = 2
-    example_len: int = 5
-    example_blocks_per_seq: int = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """One cache tensor of the graph signature."""
-
-    name: str
-    layer: int
-    kind: str  # conv | state | kv | index_k
-    shape: tuple  # symbolic dims as strings
-    dtype: str
-
-
-def cache_specs(cfg: KimiConfig, block_size: int) -> list[CacheSpec]:
-    P, W = cfg.kda_proj_dim, cfg.short_conv_kernel_size
-    out: list[CacheSpec] = []
-    for i in range(cfg.num_hidden_layers):
-        if cfg.is_kda(i):
-            out.append(CacheSpec(f"conv.{i}", i, "conv", ("batch", W - 1, 3 * P), "float32"))
-            out.append(CacheSpec(f"state.{i}", i, "state", ("batch", cfg.kda_num_heads, cfg.kda_head_dim,
-                                                            cfg.kda_head_dim), "float32"))
-        else:
-            out.append(CacheSpec(f"kv.{i}", i, "kv", ("num_blocks", block_size, cfg.latent_dim), "float32"))
-            if cfg.has_indexer(i):
-                out.append(CacheSpec(f"index_k.{i}", i, "index_k", ("num_blocks", block_size, cfg.index_head_dim),
-                                     "float32"))
-    return out
 
 
 class StepGraph(nn.Module):
@@ -172,32 +143,6 @@ def _translations():
     }
 
 
-def attach_functions(model: ir.Model) -> int:
-    """Attach the ONNX function body of every `kimi.*` op used (and check each is registered). Returns the count."""
-    used: set[str] = set()
-    for graph in (model.graph, *(f for f in model.functions.values())):
-        for node in ir.traversal.RecursiveGraphIterator(graph):
-            if node.domain == ops.DOMAIN:
-                ops.lookup(node.op_type, node=node.name)
-                used.add(node.op_type)
-    n = 0
-    for name in sorted(used):
-        key = (ops.DOMAIN, name, "")
-        if key in model.functions:
-            continue
-        op = ops.lookup(name)
-        if op.function is None:
-            raise ops.UnknownOpError(f"op kimi.{name} has no ONNX function body; ONNX Runtime cannot run it")
-        proto = op.function()
-        if not isinstance(proto, onnx.FunctionProto):
-            proto = proto.to_function_proto()
-        fn = ir.serde.deserialize_function(proto)
-        model.functions[fn.identifier()] = fn
-        n += 1
-    model.opset_imports.setdefault(ops.DOMAIN, 1)
-    return n
-
-
 def trace(model: KimiK3ForCausalLM, opts: TraceOptions = TraceOptions()) -> dict[str, ir.Model]:
     """Export the prefill and decode graphs. Weights stay initializers; both graphs name them identically."""
     _register_schemas()
@@ -226,32 +171,3 @@ def trace(model: KimiK3ForCausalLM, opts: TraceOptions = TraceOptions()) -> dict
     return out
 
 
-def signature(m: ir.Model) -> dict:
-    """I/O signature of a graph for the manifest: names, dtypes and (symbolic) shapes."""
-
-    def desc(v: ir.Value) -> dict:
-        shape = None if v.shape is None else [d if isinstance(d, int) else str(d) for d in v.shape]
-        return {"name": v.name, "dtype": v.dtype.name if v.dtype is not None else None, "shape": shape}
-
-    return {"inputs": [desc(v) for v in m.graph.inputs], "outputs": [desc(v) for v in m.graph.outputs]}
-
-
-def cache_layouts(cfg: KimiConfig, block_size: int) -> list[dict]:
-    """Every cache: shape, dtype and bytes per token (per sequence for the KDA states)."""
-    rows = []
-    for s in cache_specs(cfg, block_size):
-        per = 1
-        for d in s.shape[1:]:
-            per *= d
-        paged = s.shape[0] == "num_blocks"
-        rows.append({
-            "name": s.name, "layer": s.layer, "kind": s.kind, "shape": list(s.shape), "dtype": s.dtype,
-            "paged": paged,
-            "bytes_per_token": (per // block_size) * 4 if paged else 0,
-            "bytes_per_sequence": 0 if paged else per * 4,
-        })
-    return rows
-
-
-def graph_inputs_for(cfg: KimiConfig, block_size: int) -> Sequence[str]:
-    return ["input_ids", "start", "lengths", "block_table", *[s.name for s in cache_specs(cfg, block_size)]]

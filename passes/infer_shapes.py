@@ -22,10 +22,11 @@ class InferShapesPass(KimiPass):
     @dataclasses.dataclass(frozen=True)
     class Options:
         strict: bool = False
+        data_prop: bool = True  # propagate shape values through Shape/Gather/Concat chains
 
     def run(self, model: ir.Model) -> bool:
         before = _known(model)
-        common.ShapeInferencePass(check_type=True, strict_mode=self.options.strict, data_prop=True)(model)
+        common.ShapeInferencePass(check_type=True, strict_mode=self.options.strict, data_prop=self.options.data_prop)(model)
         after = _known(model)
         self.counts = {"values_typed": after - before, "values_total": sum(len(n.outputs) for n in model.graph)}
         return after != before

@@ -20,9 +20,9 @@ ALIGN = 64
 
 
 def version() -> str:
-    import onnxruntime
+    from importlib.metadata import version as dist_version
 
-    return onnxruntime.__version__
+    return dist_version("onnxruntime")
 
 
 def build(graphs: dict, out_dir: Path, options: dict | None = None) -> dict[str, Any]:

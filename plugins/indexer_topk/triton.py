@@ -1,23 +1,25 @@
 """Triton kernels: fused lightning indexer over the paged MXFP8 index-K cache (score + ReLU + weights + top-k).
 
-Semantics: plugins/indexer_topk/torch_ref.py. Four launches, no host sync, CUDA-graph capturable:
+Semantics: plugins/indexer_topk/torch_ref.py. Five launches, no host sync, CUDA-graph capturable:
 1. `_score_kernel` (grid rows x splits): per 64-token tile, gather codes/scales through the block table, four
    bf16 tensor-core dots [BN,32]x[32,H] (E4M3 codes are exact in bf16) each scaled by its E8M0 group scale, ReLU,
-   head weighting, head sum -> fp32 score; writes scores to a workspace row and a 2048-bin histogram of the top 11
+   head weighting, head sum -> fp32 score; writes scores to a workspace row and a 256-bin histogram of the top 8
    bits of the order-preserving int32 key (one masked vector atomic per program).
-2-4. radix select (11 + 11 + 10 bits): each pass recomputes the threshold bin of the previous histogram from the
-   remaining k, histograms the next bits of the keys inside it, and the last pass writes every key above the exact
-   threshold key plus the needed number of ties (atomic slot counters); -1 / -inf padding past min(topk, len).
-Workspace counters clean themselves (pass 2 zeroes hist3+counters, pass 3 hist1, pass 4 hist2), so the workspace must
-not be shared by two calls in flight on different streams. Output order is unspecified.
+2-5. radix select with 8-bit digits over the L2-resident scores: passes 2-4 recompute the threshold digit of the
+   previous level from the remaining k and histogram the next digit of the keys sharing the prefix; pass 5 writes
+   every key above the exact threshold key plus the needed number of ties (atomic slot counters), and -1 / -inf
+   padding past min(topk, len). (256 bins: tl.histogram costs ~bins/32 ops per element, so 4 x 8 bits beats
+   3 x 11 bits by ~5x.)
+Workspace histograms/counters clean themselves (pass 2 zeroes hist3 + counters, pass 3 hist1 + hist4, pass 4 hist2,
+pass 5 hist3), so a workspace must not serve two calls in flight on different streams. Output order is unspecified.
 """
 
 from __future__ import annotations
 
 import torch
 
-NB1, NB2, NB3 = 2048, 2048, 1024
-_HIST_W = NB1 + NB2 + NB3
+NBIN = 256  # radix digit: 8 bits, 4 levels over the 32-bit key
+_HIST_W = 4 * NBIN
 
 
 try:  # triton is optional: importing this module on a CPU machine without it must work
@@ -27,9 +29,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    _NB1, _NB2, _NB3 = tl.constexpr(NB1), tl.constexpr(NB2), tl.constexpr(NB3)
+    _NB = tl.constexpr(NBIN)
     _HW = tl.constexpr(_HIST_W)
-
 
     @triton.jit
     def _key(x):
@@ -48,7 +49,7 @@ if triton is not None:
 
     @triton.jit
     def _score_kernel(Q, W, KC, KS, BT, ROW_SEQ, ROW_LEN, SC, HIST, stride_bt, cap, tiles_per_prog,
-                      BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+                      BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, HIST_ON: tl.constexpr):
         r = tl.program_id(0)
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
@@ -62,7 +63,7 @@ if triton is not None:
         q2 = tl.load(qb + 64)
         q3 = tl.load(qb + 96)
         wv = tl.load(W + r * H + h).to(tl.float32)
-        hist = tl.zeros([_NB1], dtype=tl.int32)
+        hist = tl.zeros([_NB], dtype=tl.int32)
         t0 = s * tiles_per_prog
         t1 = tl.minimum(t0 + tiles_per_prog, tl.cdiv(L, BN))
         for t in range(t0, t1):
@@ -86,44 +87,48 @@ if triton is not None:
             acc += tl.dot(c3, q3) * s3[:, None]
             sc = tl.sum(tl.maximum(acc, 0.0) * wv[None, :], 1)
             tl.store(SC + r.to(tl.int64) * cap + pos, sc, mask=valid)
-            kk = _key(sc)
-            hist += tl.histogram((kk >> 21) + 1024, _NB1, mask=valid)
-        tl.atomic_add(HIST + r * _HW + tl.arange(0, _NB1), hist, mask=hist > 0, sem="relaxed")
+            if HIST_ON:
+                hist += tl.histogram((_key(sc) >> 24) + 128, _NB, mask=valid)
+        if HIST_ON:
+            tl.atomic_add(HIST + r * _HW + tl.arange(0, _NB), hist, mask=hist > 0, sem="relaxed")
 
     @triton.jit
     def _select_kernel(SC, HIST, ST, OUT_I, OUT_S, ROW_LEN, cap, chunk, topk,
                        PASS: tl.constexpr, BLK: tl.constexpr, KP2: tl.constexpr):
+        # PASS 2..4: threshold digit of level PASS-1, histogram of level PASS; PASS 5: emit.
         r = tl.program_id(0)
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
         hrow = HIST + r * _HW
         st = ST + r * 8
+        ar = tl.arange(0, _NB)
         if PASS == 2:
-            T1, krem = _find_bin(tl.load(hrow + tl.arange(0, _NB1)), keff, _NB1)
-            if s == 0:
-                tl.store(st + 0, T1)
-                tl.store(st + 1, krem)
-                tl.store(hrow + _NB1 + _NB2 + tl.arange(0, _NB3), tl.zeros([_NB3], tl.int32))
-                tl.store(st + 4, 0)
-                tl.store(st + 5, 0)
-            h = tl.zeros([_NB2], dtype=tl.int32)
-        elif PASS == 3:
-            T1 = tl.load(st + 0)
-            T2, krem = _find_bin(tl.load(hrow + _NB1 + tl.arange(0, _NB2)), tl.load(st + 1), _NB2)
-            P2 = (T1 - 1024) * _NB2 + T2
-            if s == 0:
-                tl.store(st + 2, P2)
-                tl.store(st + 3, krem)
-                tl.store(hrow + tl.arange(0, _NB1), tl.zeros([_NB1], tl.int32))
-            h = tl.zeros([_NB3], dtype=tl.int32)
+            T, krem = _find_bin(tl.load(hrow + ar), keff, _NB)
+            P = T - 128
         else:
-            P2 = tl.load(st + 2)
-            T3, ties = _find_bin(tl.load(hrow + _NB1 + _NB2 + tl.arange(0, _NB3)), tl.load(st + 3), _NB3)
-            thr = P2 * _NB3 + T3
+            T, krem = _find_bin(tl.load(hrow + (PASS - 2) * _NB + ar), tl.load(st + 2 * (PASS - 3) + 1), _NB)
+            P = tl.load(st + 2 * (PASS - 3)) * 256 + T
+        if PASS < 5:
+            if s == 0:
+                tl.store(st + 2 * (PASS - 2), P)
+                tl.store(st + 2 * (PASS - 2) + 1, krem)
+                if PASS == 2:
+                    tl.store(hrow + 2 * _NB + ar, tl.zeros([_NB], tl.int32))
+                    tl.store(st + 6, 0)
+                    tl.store(st + 7, 0)
+                elif PASS == 3:
+                    tl.store(hrow + ar, tl.zeros([_NB], tl.int32))
+                    tl.store(hrow + 3 * _NB + ar, tl.zeros([_NB], tl.int32))
+                else:
+                    tl.store(hrow + _NB + ar, tl.zeros([_NB], tl.int32))
+            h = tl.zeros([_NB], dtype=tl.int32)
+        else:
+            thr = P
+            ties = krem
             ngt = keff - ties
             if s == 0:
-                tl.store(hrow + _NB1 + tl.arange(0, _NB2), tl.zeros([_NB2], tl.int32))
+                tl.store(hrow + 2 * _NB + ar, tl.zeros([_NB], tl.int32))
                 kk = tl.arange(0, KP2)
                 pm = (kk >= keff) & (kk < topk)
                 tl.store(OUT_I + r.to(tl.int64) * topk + kk, tl.full([KP2], -1, tl.int32), mask=pm)
@@ -135,31 +140,27 @@ if triton is not None:
             valid = pos < hi
             x = tl.load(SC + r.to(tl.int64) * cap + pos, mask=valid, other=float("-inf"))
             kk = _key(x)
-            if PASS == 2:
-                h += tl.histogram((kk >> 10) & (_NB2 - 1), _NB2, mask=valid & ((kk >> 21) + 1024 == T1))
-            elif PASS == 3:
-                h += tl.histogram(kk & (_NB3 - 1), _NB3, mask=valid & ((kk >> 10) == P2))
+            if PASS < 5:
+                member = valid & ((kk >> (32 - 8 * (PASS - 1))) == P)
+                h += tl.histogram((kk >> (32 - 8 * PASS)) & 255, _NB, mask=member)
             else:
                 gt = valid & (kk > thr)
                 gi = gt.to(tl.int32)
-                base = tl.atomic_add(st + 4, tl.sum(gi, 0), sem="relaxed")
+                base = tl.atomic_add(st + 6, tl.sum(gi, 0), sem="relaxed")
                 slot = base + tl.cumsum(gi, 0) - 1
                 o = r.to(tl.int64) * topk + slot
                 tl.store(OUT_I + o, pos, mask=gt)
                 tl.store(OUT_S + o, x, mask=gt)
                 eq = valid & (kk == thr)
                 ei = eq.to(tl.int32)
-                tb = tl.atomic_add(st + 5, tl.sum(ei, 0), sem="relaxed")
+                tb = tl.atomic_add(st + 7, tl.sum(ei, 0), sem="relaxed")
                 rank = tb + tl.cumsum(ei, 0) - 1
                 take = eq & (rank < ties)
                 o2 = r.to(tl.int64) * topk + ngt + rank
                 tl.store(OUT_I + o2, pos, mask=take)
                 tl.store(OUT_S + o2, x, mask=take)
-        if PASS == 2:
-            tl.atomic_add(hrow + _NB1 + tl.arange(0, _NB2), h, mask=h > 0, sem="relaxed")
-        elif PASS == 3:
-            tl.atomic_add(hrow + _NB1 + _NB2 + tl.arange(0, _NB3), h, mask=h > 0, sem="relaxed")
-
+        if PASS < 5:
+            tl.atomic_add(hrow + (PASS - 1) * _NB + ar, h, mask=h > 0, sem="relaxed")
 
 
 _WS: dict = {}
@@ -210,12 +211,16 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
     splits = triton.cdiv(ntiles, tpp)
     grid = (R, splits)
     score_k[grid](q, weights, k_codes, k_scales, block_table, row_seq, row_len, sc, hist,
-                  block_table.stride(0), cap, tpp, BS=bs, H=H, D=D, BN=bn, num_warps=num_warps, num_stages=2)
-    chunk = tpp * bn
+                  block_table.stride(0), cap, tpp, BS=bs, H=H, D=D, BN=bn, HIST_ON=True, num_warps=num_warps,
+                  num_stages=2)
+    blk = 1024
+    sel_progs = max(1, (2 * _num_sms(q.device)) // max(R, 1))
+    chunk = triton.cdiv(triton.cdiv(cap, sel_progs), blk) * blk
+    sgrid = (R, triton.cdiv(cap, chunk))
     kp2 = triton.next_power_of_2(topk)
-    for p in (2, 3, 4):
-        select_k[grid](sc, hist, st, out_i, out_s, row_len, cap, chunk, topk, PASS=p, BLK=1024, KP2=kp2,
-                       num_warps=4)
+    for p in (2, 3, 4, 5):
+        select_k[sgrid](sc, hist, st, out_i, out_s, row_len, cap, chunk, topk, PASS=p, BLK=blk, KP2=kp2,
+                        num_warps=4)
     return out_i, out_s
 
 

@@ -113,6 +113,56 @@ if triton is not None:
                 tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
 
     @triton.jit
+    def _sparse_mla_v2_kernel(Q, KV8, KV32, KV16, BT, ROW_SEQ, IDX, O, OPART, LSE, qk_scale_log2,
+                              stride_bt, topk, per_split,
+                              BS: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                              NSPLIT: tl.constexpr):
+        # v2: dequantize the tile to bf16 in registers (code * 2^k is exact in bf16), then one [BH,512]x[512,BN]
+        # dot, one [BH,64]x[64,BN] dot and one [BH,BN]x[BN,512] dot per tile.
+        r = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq = tl.load(ROW_SEQ + r).to(tl.int64)
+        hh = hb * BH + tl.arange(0, BH)
+        d = tl.arange(0, 512)
+        de = tl.arange(0, 64)
+        qrow = Q + (r.to(tl.int64) * H + hh[:, None]) * 576
+        qn = tl.load(qrow + d[None, :])
+        qe = tl.load(qrow + 512 + de[None, :])
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, 512], tl.float32)
+        start = sp * per_split
+        end = tl.minimum(start + per_split, topk)
+        for n0 in range(start, end, BN):
+            nn = n0 + tl.arange(0, BN)
+            ids = tl.load(IDX + r.to(tl.int64) * topk + nn, mask=nn < end, other=-1)
+            valid = ids >= 0
+            blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
+            row = blk * BS + ids % BS
+            c = tl.load(KV8 + row[:, None] * 656 + d[None, :], mask=valid[:, None], other=0)
+            sc = tl.load(KV32 + row[:, None] * 164 + 128 + d[None, :] // 128, mask=valid[:, None], other=0.0)
+            kv = (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(tl.bfloat16)
+            kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
+            s = tl.dot(qn, tl.trans(kv))
+            s = tl.dot(qe, tl.trans(kpe), s)
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            acc = tl.dot(p.to(tl.bfloat16), kv, acc * alpha[:, None])
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        if NSPLIT == 1:
+            tl.store(O + (r.to(tl.int64) * H + hh[:, None]) * 512 + d[None, :], (acc * inv[:, None]).to(tl.bfloat16))
+        else:
+            tl.store(OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + d[None, :], acc * inv[:, None])
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+            tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
+
+    @triton.jit
     def _combine_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -139,7 +189,7 @@ def _num_sms(device) -> int:
 
 
 def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=None, bn=64, nacc=4, num_warps=8,
-                num_stages=1, out=None):
+                num_stages=1, out=None, impl="v1"):
     if triton is None:
         raise RuntimeError("sparse_mla Triton kernels need triton and a CUDA GPU")
     R, H, Dq = q.shape
@@ -153,7 +203,7 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
     kv32 = flat.view(torch.float32)
     kv16 = flat.view(torch.bfloat16)
     BH = 64
-    ndv = 4 // nacc
+    ndv = 4 // nacc if impl == "v1" else 1
     if nsplit is None:  # aim at ~2 programs per SM
         base = R * (H // BH) * ndv
         nsplit = max(1, min(triton.cdiv(topk, bn), (2 * _num_sms(q.device)) // base))
@@ -169,11 +219,17 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
         opart, lse = _WS[key]
     else:
         opart, lse = out, out
-    grid = (R, H // BH, nsplit * ndv)
-    _sparse_mla_kernel[grid](q, flat, kv32, kv16, block_table, row_seq, indices, out, opart, lse,
-                             sm_scale * 1.4426950408889634, block_table.stride(0), topk, per_split,
-                             BS=bs, H=H, BH=BH, BN=bn, NACC=nacc, NSPLIT=nsplit,
-                             num_warps=num_warps, num_stages=num_stages)
+    if impl == "v2":
+        _sparse_mla_v2_kernel[(R, H // BH, nsplit)](q, flat, kv32, kv16, block_table, row_seq, indices, out, opart,
+                                                    lse, sm_scale * 1.4426950408889634, block_table.stride(0), topk,
+                                                    per_split, BS=bs, H=H, BH=BH, BN=bn, NSPLIT=nsplit,
+                                                    num_warps=num_warps, num_stages=num_stages)
+    else:
+        _sparse_mla_kernel[(R, H // BH, nsplit * ndv)](q, flat, kv32, kv16, block_table, row_seq, indices, out,
+                                                       opart, lse, sm_scale * 1.4426950408889634,
+                                                       block_table.stride(0), topk, per_split, BS=bs, H=H, BH=BH,
+                                                       BN=bn, NACC=nacc, NSPLIT=nsplit, num_warps=num_warps,
+                                                       num_stages=num_stages)
     if nsplit > 1:
         _combine_kernel[(R, H)](opart, lse, out, H=H, NSPLIT=nsplit, NSP2=triton.next_power_of_2(nsplit),
                                 num_warps=4)
@@ -182,16 +238,17 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
 
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
                       sm_scale: float | None = None, *, nsplit: int | None = None, bn: int = 64, nacc: int = 4,
-                      num_warps: int = 8, num_stages: int = 1, out=None) -> torch.Tensor:
+                      num_warps: int = 8, num_stages: int = 1, out=None, impl: str = "v1") -> torch.Tensor:
     """q [B, H, 576] bf16, kv_cache [NB, BS, 656] u8, block_table [B, MB] i32, indices [B, topk] i32 (positions in
-    sequence b, -1 = none) -> out [B, H, 512] bf16. sm_scale defaults to 576^-0.5."""
+    sequence b, -1 = none) -> out [B, H, 512] bf16. sm_scale defaults to 576^-0.5. impl "v1": raw codes into the
+    tensor cores, scales folded into S and P (4 value accumulators); "v2": tile dequantized to bf16, single wide dots."""
     B = q.shape[0]
     key = (str(q.device), B)
     if key not in _AR:
         _AR[key] = torch.arange(B, dtype=torch.int32, device=q.device)
     sm_scale = 576 ** -0.5 if sm_scale is None else sm_scale
     return _sparse_mla(q, kv_cache, block_table, _AR[key], indices, sm_scale, nsplit, bn, nacc, num_warps,
-                       num_stages, out)
+                       num_stages, out, impl)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table_row: torch.Tensor, indices: torch.Tensor,

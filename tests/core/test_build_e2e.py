@@ -30,13 +30,15 @@ def built(tmp_path_factory):
     return recipe, res, cache, tmp
 
 
-def _reference_greedy(model, prompt, n):
+def _reference_greedy(model, prompt, n, eos=None):
     ids = list(prompt)
     out = []
     for _ in range(n):
         nxt = int(model(torch.tensor([ids]))[0, -1].argmax())
         out.append(nxt)
         ids.append(nxt)
+        if nxt == eos:
+            break
     return out
 
 
@@ -156,3 +158,66 @@ def test_unknown_pass_named_with_key_path(tmp_path):
 
     with pytest.raises(RecipeError, match=r"passes\[0\].name"):
         resolve((PassSpec(name="fuse_everything"),), recipe.source)
+
+
+def test_changing_a_late_pass_option_reruns_only_that_pass(built):
+    recipe, _, cache, tmp = built
+    import dataclasses
+
+    passes = tuple(dataclasses.replace(p, options={"data_prop": False}) if p.name == "infer_shapes" else p
+                   for p in recipe.passes)
+    res = build(dataclasses.replace(recipe, passes=passes), tmp / "art3", cache=cache)
+    assert res.cache_hits["trace"] == {"hits": 1, "misses": 0}
+    assert res.cache_hits["pass"] == {"hits": 2, "misses": 2}  # cleanup hit in both phases, infer_shapes re-ran
+    log = {(r["phase"], r["name"]): r["cached"] for r in res.manifest["pass_log"]}
+    assert log == {("prefill", "cleanup"): True, ("prefill", "infer_shapes"): False,
+                   ("decode", "cleanup"): True, ("decode", "infer_shapes"): False}
+
+
+def test_missing_checkpoint_is_one_line(tmp_path):
+    r = CliRunner().invoke(main, ["build", os.path.join(ROOT, "recipes", "kimi-k3-tiny.yaml"), "--model",
+                                  str(tmp_path / "nowhere"), "--out", str(tmp_path / "a")])
+    assert r.exit_code == 1 and "not an HF checkpoint directory" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "a").exists()
+
+
+def test_interrupted_build_leaves_nothing_behind(built, monkeypatch):
+    recipe, _, cache, tmp = built
+    from kimi_compile.backends import onnxruntime as backend
+
+    def broken(graphs, out_dir, options=None):
+        (out_dir / "graphs").mkdir()
+        (out_dir / "graphs" / "half.onnx").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(backend, "BUILD_VERSION", 999)  # a new backend key: the stage must run
+    monkeypatch.setattr(backend, "build", broken)
+    with pytest.raises(KeyboardInterrupt):
+        build(recipe, tmp / "interrupted", cache=cache)
+    assert not (tmp / "interrupted").exists()
+    assert not list((cache.root / "entries" / "backend").glob("*/graphs/half.onnx"))
+    assert not [p for p in (cache.root / "tmp").glob("*") if p.is_dir()] if (cache.root / "tmp").exists() else True
+
+
+@pytest.fixture(scope="module")
+def built_k3(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("k3")
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3-tiny.yaml"))
+    return recipe, build(recipe, tmp / "art", cache=CompileCache(root=tmp / "cache"))
+
+
+@pytest.mark.parametrize("which", ["built_k3", "built"])
+def test_cli_run_gives_reference_greedy_tokens_for_32_steps(which, request, tmp_path):
+    recipe, res = request.getfixturevalue(which)[:2]
+    from kimi_compile.model import random_checkpoint
+
+    model = load_pretrained(random_checkpoint(recipe.model.preset, recipe.model.seed, tmp_path / "ck"))
+    prompts = [[11, 22, 33, 44, 55], [900, 1], [5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    arg = ";".join(",".join(map(str, p)) for p in prompts)
+    r = CliRunner().invoke(main, ["run", str(res.artifact), "--prompt-ids", arg, "--max-new-tokens", "32", "--json"])
+    assert r.exit_code == 0, r.output
+    batched = json.loads(r.output)["tokens"]
+    sess = load(res.artifact)
+    for p, toks in zip(prompts, batched):
+        assert toks == _reference_greedy(model, p, 32, eos=model.config.eos_token_id)
+        assert sess.generate([p], 32)[0] == toks  # batch of 3 == 3 single runs

@@ -168,8 +168,9 @@ def _mla_cache(lens, bs, gen):
     return cache, bt
 
 
-@pytest.mark.parametrize("nsplit,nacc", [(None, 4), (1, 4), (3, 2)])
-def test_sparse_mla_decode(nsplit, nacc):
+@pytest.mark.parametrize("impl,nsplit,nacc", [("v1", None, 4), ("v1", 1, 4), ("v1", 3, 2), ("v2", None, 4),
+                                              ("v2", 1, 4)])
+def test_sparse_mla_decode(impl, nsplit, nacc):
     gen = torch.Generator().manual_seed(6)
     lens, topk, H = [3000, 2500, 100], 2048, 128
     cache, bt = _mla_cache(lens, 64, gen)
@@ -182,7 +183,8 @@ def test_sparse_mla_decode(nsplit, nacc):
     idx[0, ::7] = -1
     q = (torch.randn(B, H, 576, generator=gen) * 0.5).bfloat16()
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
-    mtk.sparse_mla_decode(q.to(DEV), cache.to(DEV), bt.to(DEV), idx.to(DEV), nsplit=nsplit, nacc=nacc, out=out)
+    mtk.sparse_mla_decode(q.to(DEV), cache.to(DEV), bt.to(DEV), idx.to(DEV), nsplit=nsplit, nacc=nacc, out=out,
+                          impl=impl)
     ref = mref.sparse_mla_decode_ref(q, cache, bt, idx, 576 ** -0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2
