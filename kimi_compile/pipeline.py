@@ -20,7 +20,12 @@ import onnx_ir as ir
 from kimi_compile import ops
 from kimi_compile.recipe import PassSpec, RecipeError, coerce_options
 
-PASS_MODULES = {"cleanup": "kimi_compile.passes.cleanup", "infer_shapes": "kimi_compile.passes.infer_shapes"}
+PASS_MODULES = {
+    "cleanup": "kimi_compile.passes.cleanup",
+    "infer_shapes": "kimi_compile.passes.infer_shapes",
+    "fuse_indexer": "kimi_compile.passes.fuse_indexer",
+    "fuse_sparse_mla": "kimi_compile.passes.fuse_sparse_mla",
+}
 
 
 class VerifyError(RuntimeError):

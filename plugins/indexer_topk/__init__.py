@@ -1,1 +1,135 @@
-"""kimi.indexer_topk: fused op (schema, reference and lowerings filled in by the lead)."""
+"""kimi.IndexerTopK: the K3.1 lightning indexer's score, ReLU, head weighting, causal mask and top-k in one op that
+reads the paged index-K pool through the block table (no score tensor is written back).
+
+Inputs   q [B,T,H,D] (index queries), w [B,T,H] (head weights, scales folded in), index_pool [NB,BS,D],
+         block_table [B,MB] int64, start [B] int64 (tokens cached before this step), lengths [B] int64
+Outputs  indices [B,T,k] int64: the k highest-scoring visible positions per query, ties to the lower position,
+         -1 where fewer than k positions are visible; scores [B,T,k] (fp32, -1e30 where invalid)
+Attr     topk (k)
+Score    I[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . K[b,s]),  K = the pool rows of sequence b (position s at block
+         block_table[b, s // BS], row s % BS); visible: s <= start[b] + t and s < start[b] + lengths[b].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import AttributeProto, TensorProto, helper
+
+from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
+
+NAME = "IndexerTopK"
+MASKED = -1e30
+
+
+def _c(name, vals, dtype=TensorProto.INT64, dims=None):
+    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
+        name, dtype, [len(vals)] if dims is None else dims, vals))
+
+
+def causal_mask_nodes(q: str, keys: str, start: str, lengths: str, out: str) -> list:
+    """ONNX nodes computing allowed[b,t,s] = s <= start[b]+t and s < start[b]+lengths[b] (shared with SparseMLA)."""
+    n = helper.make_node
+    p = out + "_"
+    return [
+        _c(p + "zero", [0], dims=[]), _c(p + "one", [1], dims=[]), _c(p + "ax0", [0]), _c(p + "ax1", [1]),
+        _c(p + "axm1", [-1]), _c(p + "ax01", [0, 1]),
+        n("Shape", [q], [p + "tshape"], start=1, end=2), n("Squeeze", [p + "tshape", p + "ax0"], [p + "T"]),
+        n("Shape", [keys], [p + "sshape"], start=1, end=2), n("Squeeze", [p + "sshape", p + "ax0"], [p + "S"]),
+        n("Range", [p + "zero", p + "T", p + "one"], [p + "tpos"]),
+        n("Range", [p + "zero", p + "S", p + "one"], [p + "spos"]),
+        n("Unsqueeze", [start, p + "ax1"], [p + "start2"]),
+        n("Unsqueeze", [p + "tpos", p + "ax0"], [p + "tpos2"]),
+        n("Add", [p + "start2", p + "tpos2"], [p + "qpos"]),  # [B,T]
+        n("Unsqueeze", [p + "qpos", p + "axm1"], [p + "qpos3"]),  # [B,T,1]
+        n("Unsqueeze", [p + "spos", p + "ax01"], [p + "spos3"]),  # [1,1,S]
+        n("Add", [start, lengths], [p + "end"]),
+        n("Unsqueeze", [p + "end", p + "ax1"], [p + "end2"]),
+        n("Unsqueeze", [p + "end2", p + "ax1"], [p + "end3"]),  # [B,1,1]
+        n("LessOrEqual", [p + "spos3", p + "qpos3"], [p + "causal"]),
+        n("Less", [p + "spos3", p + "end3"], [p + "inseq"]),
+        n("And", [p + "causal", p + "inseq"], [out]),
+    ]
+
+
+def paged_keys_nodes(pool: str, block_table: str, out: str) -> list:
+    """ONNX nodes gathering a sequence-major view [B, MB*BS, D] of a paged pool."""
+    n = helper.make_node
+    p = out + "_"
+    return [
+        _c(p + "neg1", [-1]),
+        n("Reshape", [block_table, p + "neg1"], [p + "flat_bt"]),
+        n("Gather", [pool, p + "flat_bt"], [p + "blocks"], axis=0),
+        n("Shape", [block_table], [p + "b"], start=0, end=1),
+        n("Shape", [pool], [p + "d"], start=-1),
+        n("Concat", [p + "b", p + "neg1", p + "d"], [p + "shape"], axis=0),
+        n("Reshape", [p + "blocks", p + "shape"], [out]),
+    ]
+
+
+def function():
+    n = helper.make_node
+    k_attr = helper.make_attribute("value_int", 0)
+    k_attr.ref_attr_name = "topk"
+    k_attr.type = AttributeProto.INT
+    k_node = helper.make_node("Constant", [], ["k0"])
+    k_node.attribute.append(k_attr)
+    nodes = [
+        *paged_keys_nodes("index_pool", "block_table", "keys"),
+        n("Einsum", ["q", "keys"], ["dots"], equation="bthd,bsd->bths"),
+        n("Relu", ["dots"], ["relu"]),
+        _c("axm1", [-1]), _c("ax2", [2]), _c("ax0", [0]),
+        n("Unsqueeze", ["w", "axm1"], ["w4"]),
+        n("Mul", ["relu", "w4"], ["weighted"]),
+        n("ReduceSum", ["weighted", "ax2"], ["raw"], keepdims=0),
+        *causal_mask_nodes("q", "keys", "start", "lengths", "allowed"),
+        _c("masked", [MASKED], TensorProto.FLOAT, dims=[]),
+        n("Where", ["allowed", "raw", "masked"], ["score"]),
+        k_node,
+        n("Reshape", ["k0", "axm1"], ["k"]),
+        n("Shape", ["q"], ["bt"], start=0, end=2),
+        n("Concat", ["bt", "k"], ["pad_shape"], axis=0),
+        n("Expand", ["masked", "pad_shape"], ["pad"]),
+        n("Concat", ["score", "pad"], ["padded"], axis=-1),
+        n("TopK", ["padded", "k"], ["vals", "idx"], axis=-1, largest=1, sorted=1),
+        n("ConstantOfShape", ["pad_shape"], ["nopad"], value=helper.make_tensor("f", TensorProto.BOOL, [1], [0])),
+        n("Concat", ["allowed", "nopad"], ["allowed_p"], axis=-1),
+        n("GatherElements", ["allowed_p", "idx"], ["valid"], axis=-1),
+        _c("minus1", [-1], dims=[]),
+        n("Where", ["valid", "idx", "minus1"], ["indices"]),
+        n("Where", ["valid", "vals", "masked"], ["scores"]),
+    ]
+    return helper.make_function(DOMAIN, NAME, ["q", "w", "index_pool", "block_table", "start", "lengths"],
+                                ["indices", "scores"], nodes, [helper.make_opsetid("", ONNX_OPSET)],
+                                attributes=["topk"])
+
+
+def reference(q, w, index_pool, block_table, start, lengths, topk: int):
+    """numpy reference: loops written from the definition (ties to the lower position)."""
+    B, T, H, D = q.shape
+    BS = index_pool.shape[1]
+    S = block_table.shape[1] * BS
+    keys = index_pool[block_table.reshape(-1)].reshape(B, S, D)
+    indices = np.full((B, T, topk), -1, dtype=np.int64)
+    scores = np.full((B, T, topk), MASKED, dtype=np.float32)
+    for b in range(B):
+        for t in range(T):
+            hi = min(int(start[b]) + t + 1, int(start[b] + lengths[b]))
+            if hi <= 0:
+                continue
+            dots = np.maximum(q[b, t].astype(np.float64) @ keys[b, :hi].T.astype(np.float64), 0)  # [H, hi]
+            s = (w[b, t].astype(np.float64)[:, None] * dots).sum(0)
+            order = sorted(range(hi), key=lambda j: (-s[j], j))[:topk]
+            indices[b, t, : len(order)] = order
+            scores[b, t, : len(order)] = s[order]
+    return indices, scores
+
+
+def infer(types, attrs):
+    q = types[0]
+    k = attrs.get("topk")
+    shape = (q.shape[0], q.shape[1], k) if q and q.shape else None
+    return [TensorType(shape, TensorProto.INT64), TensorType(shape, TensorProto.FLOAT)]
+
+
+OP = register(OpDef(NAME, ("q", "w", "index_pool", "block_table", "start", "lengths"), ("indices", "scores"),
+                    {"topk": 2048}, function=function, infer=infer, reference=reference, doc=__doc__))

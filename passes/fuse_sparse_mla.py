@@ -1,0 +1,168 @@
+"""fuse_sparse_mla: MLA attention restricted to the indexer's selection -> kimi.SparseMLA over the paged latent KV.
+
+    before, decode (absorbed, gathered):
+        q_lat = Einsum["bthd,hdr->bthr"](q_nope, w_uk)
+        sel   = GatherElements(Expand(keys), Expand(Clip(idx)))         keys = kimi.PagedGather(kv_pool, block_table)
+        s     = (Einsum(q_lat, sel[..., :R]) + Einsum(q_pe, sel[..., R:])) * scale
+        p     = Softmax(Where(Not(valid), -1e30, s));  o = Einsum(Einsum(p, sel[..., :R]), w_uv)
+    before, prefill (expanded, masked):
+        kv = Reshape(MatMul(keys[..., :R], W_kvb^T));  k_nope, v = kv[..., :dn], kv[..., dn:]
+        s  = (Einsum(q_nope, k_nope) + Einsum(q_pe, keys[..., R:])) * scale
+        p  = Softmax(Where(Not(selected & allowed), -1e30, s));  o = Einsum(p, v)
+        (selected = ScatterElements of the indexer's idx/valid)
+    after (both):
+        o = kimi.SparseMLA[scale, kv_lora_rank](q_nope, q_pe, kv_pool, block_table, indices, w_uk, w_uv)
+    where `indices` is the output of kimi.IndexerTopK (run fuse_indexer first).
+
+Refusals: no_mask, mask_fill, no_scale, no_score_sum, score_equation, not_indexed, keys_not_paged,
+weights_not_constant, no_output_projection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import numpy as np
+import onnx_ir as ir
+
+from kimi_compile.ops import DOMAIN
+from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer
+
+
+def _eq(n: ir.Node) -> str:
+    return (attr(n, "equation") or "").replace(" ", "")
+
+
+def _through(v: ir.Value, *ops: str) -> ir.Value:
+    while v.producer() is not None and v.producer().op_type in ops:
+        v = v.producer().inputs[0]
+    return v
+
+
+def _indices_from_idx(idx: ir.Value) -> ir.Value:
+    """idx = Where(valid, indices, S) with indices from kimi.IndexerTopK -> indices."""
+    w = producer(idx, "Where", "not_indexed")
+    src = w.inputs[1].producer()
+    if src is None or src.domain != DOMAIN or src.op_type != "IndexerTopK":
+        raise Refuse("not_indexed", "selection does not come from kimi.IndexerTopK")
+    return w.inputs[1]
+
+
+def _slice_bounds(n: ir.Node) -> tuple[int, int]:
+    s, e = const(n.inputs[1]), const(n.inputs[2])
+    if s is None or e is None:
+        raise Refuse("score_equation", "non-constant slice of the latent")
+    return int(np.ravel(s)[0]), int(np.ravel(e)[0])
+
+
+def _weight(model: ir.Model, arr: np.ndarray, what: str) -> ir.Value:
+    """A new initializer named by content, so prefill and decode share it in the artifact."""
+    arr = np.ascontiguousarray(arr.astype(np.float32))
+    name = f"kimi.{what}.{hashlib.sha1(arr.tobytes()).hexdigest()[:16]}"
+    if name in model.graph.initializers:
+        return model.graph.initializers[name]
+    v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                 const_value=ir.tensor(arr, name=name))
+    model.graph.register_initializer(v)
+    return v
+
+
+class FuseSparseMLAPass(FusionPass):
+    name = "fuse_sparse_mla"
+    version = 1
+    rule = "fuse_sparse_mla"
+
+    @dataclasses.dataclass(frozen=True)
+    class Options:
+        debug: bool = False
+
+    def anchors(self, model):
+        return [n for n in model.graph if n.op_type == "Softmax" and n.domain == "" and attr(n, "axis", -1) in (-1, 3)]
+
+    def match(self, model, sm):
+        where = producer(sm.inputs[0], "Where", "no_mask")
+        fill = const(where.inputs[1])
+        if fill is None or not np.all(fill <= -1e29):
+            raise Refuse("mask_fill")
+        mask = producer(producer(where.inputs[0], "Not", "no_mask").inputs[0], "Unsqueeze", "no_mask").inputs[0]
+        mul = producer(where.inputs[2], "Mul", "no_scale")
+        scale = const(mul.inputs[1])
+        add_v = mul.inputs[0]
+        if scale is None:
+            scale, add_v = const(mul.inputs[0]), mul.inputs[1]
+        if scale is None or np.size(scale) != 1:
+            raise Refuse("no_scale")
+        add = producer(add_v, "Add", "no_score_sum")
+        e1 = producer(add.inputs[0], "Einsum", "no_score_sum")
+        e2 = producer(add.inputs[1], "Einsum", "no_score_sum")
+        outs = consumers(sm.outputs[0])
+        if len(outs) != 1 or outs[0].op_type != "Einsum":
+            raise Refuse("no_output_projection")
+        pv = outs[0]
+        m = dict(scale=float(np.ravel(scale)[0]), q_pe=e2.inputs[0])
+        if _eq(e1) == "bthr,btkr->bhtk" and _eq(e2) == "bthd,btkd->bhtk":  # decode, absorbed + gathered
+            qlat = producer(e1.inputs[0], "Einsum", "score_equation")
+            if _eq(qlat) != "bthd,hdr->bthr":
+                raise Refuse("score_equation", _eq(qlat))
+            m["q_nope"], w_uk = qlat.inputs
+            c_slice = producer(e1.inputs[1], "Slice", "score_equation")
+            m["R"] = _slice_bounds(c_slice)[1]
+            gat = producer(c_slice.inputs[0], "GatherElements", "not_indexed")
+            keys = _through(gat.inputs[0], "Expand", "Unsqueeze")
+            idx = _through(gat.inputs[1], "Expand", "Unsqueeze", "Clip")
+            m["indices"] = _indices_from_idx(idx)
+            ge = producer(mask, "GreaterOrEqual", "not_indexed")
+            if ge.inputs[0] is not m["indices"]:
+                raise Refuse("not_indexed", "mask is not the selection's validity")
+            if _eq(pv) != "bhtk,btkr->bthr":
+                raise Refuse("no_output_projection", _eq(pv))
+            proj = consumers(pv.outputs[0])
+            if len(proj) != 1 or proj[0].op_type != "Einsum" or _eq(proj[0]) != "bthr,hvr->bthv":
+                raise Refuse("no_output_projection")
+            w_uv = proj[0].inputs[1]
+            wk, wv = const(w_uk), const(w_uv)
+            if wk is None or wv is None:
+                raise Refuse("weights_not_constant")
+            m.update(w_uk=wk, w_uv=wv, out=proj[0].outputs[0])
+        elif _eq(e1) == "bthd,bshd->bhts" and _eq(e2) == "bthd,bsd->bhts":  # prefill, expanded + masked
+            m["q_nope"] = e1.inputs[0]
+            kn_slice = producer(e1.inputs[1], "Slice", "score_equation")
+            dn = _slice_bounds(kn_slice)[1]
+            view = producer(kn_slice.inputs[0], "Reshape", "score_equation")
+            mm = producer(view.inputs[0], "MatMul", "score_equation")
+            c_slice = producer(mm.inputs[0], "Slice", "score_equation")
+            m["R"] = _slice_bounds(c_slice)[1]
+            keys = c_slice.inputs[0]
+            w = const(mm.inputs[1])  # [R, H*(dn+dv)]
+            if w is None:
+                raise Refuse("weights_not_constant")
+            H = int(e1.inputs[0].shape[2]) if e1.inputs[0].shape is not None and isinstance(
+                e1.inputs[0].shape[2], int) else None
+            if H is None:
+                raise Refuse("score_equation", "unknown head count")
+            wt = w.T.reshape(H, -1, m["R"])
+            m.update(w_uk=wt[:, :dn], w_uv=wt[:, dn:])
+            andn = producer(mask, "And", "not_indexed")
+            sl = producer(andn.inputs[0], "Slice", "not_indexed")
+            sc = producer(sl.inputs[0], "ScatterElements", "not_indexed")
+            m["indices"] = _indices_from_idx(sc.inputs[1])
+            if _eq(pv) != "bhts,bshd->bthd":
+                raise Refuse("no_output_projection", _eq(pv))
+            m["out"] = pv.outputs[0]
+        else:
+            raise Refuse("score_equation", f"{_eq(e1)} + {_eq(e2)}")
+        g = producer(keys, "PagedGather", "keys_not_paged", domain=DOMAIN)
+        m["pool"], m["bt"] = g.inputs
+        return m
+
+    def rewrite(self, model, sm, m):
+        b = Builder(model.graph, sm, self.rule)
+        w_uk = _weight(model, m["w_uk"], "w_uk")
+        w_uv = _weight(model, m["w_uv"], "w_uv")
+        o = b.op("SparseMLA", [m["q_nope"], m["q_pe"], m["pool"], m["bt"], m["indices"], w_uk, w_uv],
+                 {"scale": m["scale"], "kv_lora_rank": m["R"]}, domain=DOMAIN)
+        ir.convenience.replace_all_uses_with(m["out"], o)
+
+
+PASS = FuseSparseMLAPass
