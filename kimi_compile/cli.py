@@ -111,11 +111,23 @@ def run(artifact, prompt_ids, max_new_tokens, temperature, seed, as_json):
             click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, o))}")
 
 
+def _op_diff(a: dict, b: dict) -> dict:
+    """Per phase: ops whose count differs between two artifacts (b minus a)."""
+    out = {}
+    for phase in sorted(set(a["graphs"]) | set(b["graphs"])):
+        ha = a["graphs"].get(phase, {}).get("op_histogram", {})
+        hb = b["graphs"].get(phase, {}).get("op_histogram", {})
+        out[phase] = {k: hb.get(k, 0) - ha.get(k, 0) for k in sorted(set(ha) | set(hb)) if hb.get(k, 0) != ha.get(k, 0)}
+    return out
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True)
-def inspect(artifact, as_json):
-    """Show graphs, op histograms (kimi.* ops), the pass log, the precision plan and cache layouts."""
+@click.option("--diff", "diff_against", type=click.Path(file_okay=False),
+              help="Another artifact: show which ops ARTIFACT adds or removes relative to it.")
+def inspect(artifact, as_json, diff_against):
+    """Show graphs, op histograms (kimi.* ops), op coverage, the pass log, the precision plan and cache layouts."""
     from kimi_compile.artifact import load_manifest
 
     m = load_manifest(artifact)
@@ -130,7 +142,11 @@ def inspect(artifact, as_json):
         "bytes_per_token": m.get("bytes_per_token"),
         "backend": m.get("backend"),
         "versions": m.get("versions"),
+        "op_coverage": m.get("op_coverage", {}),
+        "accuracy": m.get("accuracy"),
     }
+    if diff_against:
+        info["diff"] = {"against": str(diff_against), "ops": _op_diff(load_manifest(diff_against), m)}
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -152,12 +168,25 @@ def inspect(artifact, as_json):
         t.add_row(r["phase"], r["name"], str(r["version"]), json.dumps(r["counts"]), str(r["ms"]), str(r["cached"]))
     c.print(t)
     t = Table(title=f"caches ({info['bytes_per_token']} bytes per token, paged)")
-    for col in ("name", "kind", "shape", "dtype", "bytes/token", "bytes/sequence"):
+    for col in ("name", "kind", "shape", "dtype", "format / scale layout", "bytes/token", "bytes/sequence"):
         t.add_column(col)
     for r in info["cache_layouts"]:
-        t.add_row(r["name"], r["kind"], str(r["shape"]), r["dtype"], str(r["bytes_per_token"]),
-                  str(r["bytes_per_sequence"]))
+        t.add_row(r["name"], r["kind"], str(r["shape"]), r["dtype"], r.get("scale_layout") or r.get("format", ""),
+                  str(r["bytes_per_token"]), str(r["bytes_per_sequence"]))
     c.print(t)
+    for phase, cov in info["op_coverage"].items():
+        t = Table(title=f"{phase}: op coverage {cov['total_pct']}% ({cov['metric']})")
+        for col in ("layer kind", "component", "fused ops", "fallback ops", "coverage %"):
+            t.add_column(col)
+        for r in cov["by_component"]:
+            t.add_row(r["layer_kind"], r["component"], json.dumps(r["fused_ops"]),
+                      ", ".join(f"{k}x{v}" for k, v in sorted(r["fallback_ops"].items(), key=lambda kv: -kv[1])[:6]),
+                      str(r["coverage_pct"]))
+        c.print(t)
+    if "diff" in info:
+        c.print(f"ops added (+) / removed (-) relative to {info['diff']['against']}:")
+        for phase, d in info["diff"]["ops"].items():
+            c.print(f"  {phase}: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
     c.print(f"precision plan: {info['precision_plan'] or 'fp32 everywhere (no rules)'}")
 
 

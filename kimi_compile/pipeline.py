@@ -25,6 +25,11 @@ PASS_MODULES = {
     "infer_shapes": "kimi_compile.passes.infer_shapes",
     "fuse_indexer": "kimi_compile.passes.fuse_indexer",
     "fuse_sparse_mla": "kimi_compile.passes.fuse_sparse_mla",
+    "fuse_kda": "kimi_compile.passes.fuse_kda",
+    "fuse_moe": "kimi_compile.passes.fuse_moe",
+    "fuse_attn_res": "kimi_compile.passes.fuse_attn_res",
+    "quantize": "kimi_compile.passes.quantize",  # issue 5
+    "relayout_nz": "kimi_compile.passes.relayout_nz",  # issue 5
 }
 
 
@@ -63,8 +68,9 @@ def pass_class(name: str) -> type[KimiPass]:
     return cls
 
 
-def resolve(passes: tuple[PassSpec, ...], source: str) -> list[KimiPass]:
-    """Instantiate the enabled passes in recipe order, validating their options."""
+def resolve(passes: tuple[PassSpec, ...], source: str, precision: list[dict] | tuple = ()) -> list[KimiPass]:
+    """Instantiate the enabled passes in recipe order, validating their options. A pass whose Options has a `rules`
+    field (quantize) gets the recipe's precision rules there (`Recipe.to_dict()["precision"]`)."""
     out = []
     for i, spec in enumerate(passes):
         if spec.name not in PASS_MODULES:
@@ -72,7 +78,10 @@ def resolve(passes: tuple[PassSpec, ...], source: str) -> list[KimiPass]:
         if not spec.enabled:
             continue
         cls = pass_class(spec.name)
-        out.append(cls(coerce_options(cls.Options, spec.options, f"passes[{i}].options", source)))
+        options = dict(spec.options)
+        if precision and "rules" in {f.name for f in dataclasses.fields(cls.Options)}:  # issue 5: precision rules
+            options.setdefault("rules", [dict(r) for r in precision])
+        out.append(cls(coerce_options(cls.Options, options, f"passes[{i}].options", source)))
     return out
 
 

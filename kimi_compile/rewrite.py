@@ -94,6 +94,9 @@ class Builder:
                        name=name)
         if domain == DOMAIN:
             node.metadata_props["kimi.rule"] = self.rule
+        for key in ("namespace", "pkg.torch.onnx.class_hierarchy"):  # keep the layer attribution (coverage)
+            if key in self.anchor.metadata_props:
+                node.metadata_props[key] = self.anchor.metadata_props[key]
         self.graph.insert_before(self.anchor, node)
         self.nodes.append(node)
         return node.outputs[0] if num_outputs == 1 else node.outputs
@@ -108,6 +111,7 @@ class FusionPass(KimiPass):
     `rewrite(model, node, data)`. Dead nodes are removed afterwards; the result counts matches and refusals."""
 
     rule = "base"
+    rewrite_each = True  # False: collect every match first, then rewrite_all (fusions that group matches)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -122,6 +126,9 @@ class FusionPass(KimiPass):
     def rewrite(self, model: ir.Model, node: ir.Node, data: Any) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def rewrite_all(self, model: ir.Model, found: list) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
     def run(self, model: ir.Model) -> bool:
         import onnx_ir.passes.common as common
 
@@ -129,6 +136,7 @@ class FusionPass(KimiPass):
         matches, refused = 0, {}
         self.near_misses: list[dict] = []
         before = len(model.graph)
+        found = []
         for node in list(self.anchors(model)):
             try:
                 data = self.match(model, node)
@@ -139,8 +147,13 @@ class FusionPass(KimiPass):
                 if debug:
                     log.warning("[%s] refused %s (%s): %s %s", self.name, node.name, node.op_type, r.reason, r.detail)
                 continue
-            self.rewrite(model, node, data)
+            if self.rewrite_each:
+                self.rewrite(model, node, data)
+            else:
+                found.append((node, data))
             matches += 1
+        if found:
+            self.rewrite_all(model, found)
         common.RemoveUnusedNodesPass()(model)
         if matches:
             from kimi_compile.functions import attach_functions

@@ -88,7 +88,7 @@ class FuseIndexerPass(FusionPass):
             raise Refuse("reduce_axis", f"ReduceSum over {axes} keepdims={attr(red, 'keepdims', 1)}")
         mul = producer(red.inputs[0], "Mul", "no_head_weighting")
         relu_v, w_v = mul.inputs
-        if relu_v.producer() is None or relu_v.producer().op_type != "Relu":
+        if w_v.producer() is None or w_v.producer().op_type != "Unsqueeze":
             relu_v, w_v = w_v, relu_v
         unsq = producer(w_v, "Unsqueeze", "weight_broadcast")
         if list(np.ravel(const(unsq.inputs[1]))) not in ([-1], [3]):

@@ -1,0 +1,1 @@
+"""Tests of passes/ (one module per pass)."""
