@@ -243,3 +243,38 @@ def test_each_fusion_switched_off_still_verifies(built, fusion):
     sess = load(res.artifact)
     assert sess.generate([[5, 17, 200, 3]], 6, stop_at_eos=False) == load(built[1].artifact).generate(
         [[5, 17, 200, 3]], 6, stop_at_eos=False)
+
+
+def test_verify_names_the_first_pass_that_breaks_tolerance(built, monkeypatch):
+    """A pass that silently changes the numbers (here: scales the LM head) is caught and named by --verify."""
+    import dataclasses
+    import types
+
+    import numpy as np
+    import onnx_ir as ir
+
+    from kimi_compile import pipeline
+    from kimi_compile.build import BuildError
+    from kimi_compile.recipe import PassSpec
+
+    class ScaleHeadPass(pipeline.KimiPass):
+        name = "scale_head"
+        version = 1
+
+        def run(self, model):
+            out = model.graph.outputs[0]  # logits
+            node = out.producer()
+            w = next(v for v in node.inputs if v is not None and v.const_value is not None)
+            w.const_value = ir.tensor(w.const_value.numpy() * np.float32(1.01), name=w.name)
+            self.counts = {"scaled": 1}
+            return True
+
+    mod = types.ModuleType("kimi_test_scale_head")
+    mod.PASS = ScaleHeadPass
+    monkeypatch.setitem(__import__("sys").modules, "kimi_test_scale_head", mod)
+    monkeypatch.setitem(pipeline.PASS_MODULES, "scale_head", "kimi_test_scale_head")
+    recipe, _, cache, tmp = built
+    passes = (*recipe.passes[:2], PassSpec(name="scale_head"), *recipe.passes[2:])
+    with pytest.raises(BuildError, match="pass 'scale_head' broke the prefill graph"):
+        build(dataclasses.replace(recipe, passes=passes), tmp / "broken", verify=True, cache=cache)
+    assert not (tmp / "broken").exists()
