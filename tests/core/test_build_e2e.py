@@ -73,8 +73,9 @@ def test_runtime_greedy_matches_reference_on_ragged_batch(built, tmp_path):
         assert g == _reference_greedy(model, p, 6)
 
 
-def test_runtime_logits_match_reference_every_step(built, tmp_path):
-    recipe, res, _, _ = built
+@pytest.mark.parametrize("which", ["built_k3", "built"])
+def test_runtime_logits_match_reference_every_step(which, request, tmp_path):
+    recipe, res = request.getfixturevalue(which)[:2]
     from kimi_compile.model import random_checkpoint
 
     model = load_pretrained(random_checkpoint(recipe.model.preset, recipe.model.seed, tmp_path / "ck"))
@@ -145,6 +146,8 @@ def test_cli_run_inspect_and_errors(built):
     assert any(c["name"] == "index_k.3" and c["bytes_per_token"] == 128 for c in info["cache_layouts"])
     r = CliRunner().invoke(main, ["run", art, "--prompt-ids", "1,5000"])
     assert r.exit_code == 1 and "token id 5000" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["run", art, "--prompt-ids", "1,two,3"])
+    assert r.exit_code == 2 and "--prompt-ids" in r.output and "Traceback" not in r.output
 
 
 def test_cli_bad_recipe_is_one_line(tmp_path):
