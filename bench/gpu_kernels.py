@@ -172,36 +172,43 @@ def indexer_section(args):
         full_cpu = full.cpu()
         del full
         lens = [int(x) for x in cl.cpu()]
-        for bn, nw in ((64, 4), (128, 8), (64, 8)):
-            var = f"triton bn={bn} warps={nw}"
+        cfgs = [("v1", 64, 4, 2, 4)] + [("v2", bn, nw, ns, pps) for bn, nw, ns, pps in
+                                         ((128, 4, 1, 4), (128, 4, 2, 4), (64, 4, 1, 4), (128, 8, 1, 2),
+                                          (64, 4, 1, 8), (128, 4, 1, 2), (128, 4, 1, 8), (256, 8, 1, 2),
+                                          (256, 8, 1, 1))]
+        for impl, bn, nw, ns, pps in cfgs:
+            var = f"triton {impl} bn={bn} warps={nw} stages={ns} progs/SM={pps}"
             try:
                 oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
                 os_ = torch.full((B, topk), float("nan"), device=DEV)
-                itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw, out=(oi, os_))
+                for _ in range(2):  # twice: the self-cleaning workspace must be reusable
+                    oi.fill_(-7)
+                    os_.fill_(float("nan"))
+                    itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw, out=(oi, os_),
+                                            impl=impl, num_stages=ns, progs_per_sm=pps)
                 torch.cuda.synchronize()
                 chk = iref.check_topk(oi, os_, full_cpu, lens, topk)
             except Exception as e:
                 chk = {"ok": False, "error": str(e)[:300]}
-            fn = lambda bn=bn, nw=nw: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw)
+            fn = lambda bn=bn, nw=nw, impl=impl, ns=ns, pps=pps: itk.indexer_topk_decode(
+                q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw, impl=impl, num_stages=ns, progs_per_sm=pps)
             record("indexer", case, var, shape, bytes_, flops, fn, check=chk, reps=args.reps)
-            if bn == 64 and nw == 4:
-                record("indexer", case, var + " (direct)", shape, bytes_, flops, fn, check=chk, reps=args.reps,
-                       graph=False)
-                rs, cs = torch.arange(B, dtype=torch.int32, device=DEV), cl
-                cap = bt.shape[1] * bs
+        if True:
+            cap = bt.shape[1] * bs
+            rs = torch.arange(B, dtype=torch.int32, device=DEV)
 
-                def score_only(hist_on):
-                    sc, hist, st = itk._workspace(q.device, B, cap)
-                    tn = (cap + 63) // 64
-                    want = max(1, 4 * torch.cuda.get_device_properties(0).multi_processor_count // B)
-                    tpp = max(1, (tn + want - 1) // want)
-                    itk._score_kernel[(B, (tn + tpp - 1) // tpp)](q, w, codes, scales, bt, rs, cs, sc, hist,
-                                                                  bt.stride(0), cap, tpp, BS=bs, H=H, D=D, BN=64,
-                                                                  HIST_ON=hist_on, num_warps=4, num_stages=2)
-                    hist.zero_()
-                for ho in (True, False):
-                    record("indexer", case, f"triton score pass only (hist={ho}) +memset", shape, bytes_, flops,
-                           lambda ho=ho: score_only(ho), reps=args.reps, note="stage timing; leaves workspace clean")
+            def score2_only(bn=128, nw=4, pps=4):
+                G = itk._group_size(cap, topk, bn)
+                nt = (cap + bn - 1) // bn
+                ngcap = nt * (bn // G)
+                sc, gm = itk._WS2[(str(q.device), B, cap, ngcap)][:2]
+                want = max(1, pps * torch.cuda.get_device_properties(0).multi_processor_count // B)
+                tpp = max(1, (nt + want - 1) // want)
+                itk._score2_kernel[(B, (nt + tpp - 1) // tpp)](q, w.float(), codes, scales, bt, rs, cl, sc, gm,
+                                                               bt.stride(0), cap, ngcap, tpp, BS=bs, H=H, D=D, BN=bn,
+                                                               G=G, num_warps=nw, num_stages=1)
+            record("indexer", case, "triton v2 score kernel only (bn=128 warps=4)", shape, bytes_, flops,
+                   score2_only, reps=args.reps, note="stage timing: scores + group maxima, no selection")
         eager = lambda: iref.indexer_topk_decode_eager(q, w, codes, scales, bt, cl, topk, max_context_len=L)
         ei, ev = eager()
         echk = iref.check_topk(ei, ev.double(), full_cpu, lens, topk, rtol=1e-2)
@@ -262,10 +269,12 @@ def mla_section(args):
         s = (torch.bmm(q.float()[..., :512], ck.transpose(1, 2)) + torch.bmm(q.float()[..., 512:], kp.transpose(1, 2)))
         ref = torch.bmm(torch.softmax(s * sm, -1), ck)
         del rows, ck, kp, s
-        cfgs = [("v1", None, 32, 4, 8, 1), ("v1", None, 64, 2, 8, 1), ("v1", None, 32, 4, 8, 2),
-                ("v2", None, 64, 4, 8, 1), ("v2", None, 32, 4, 8, 1), ("v2", None, 32, 4, 4, 1),
-                ("v2", None, 64, 4, 8, 2)]
-        cfgs += [("v1", 2, 64, 4, 8, 1), ("v2", 2, 64, 4, 8, 1)] if B > 1 else [("v2", 32, 64, 4, 8, 1)]
+        if B > 1:
+            cfgs = [("v1", 2, 64, 4, 8, 1), ("v3", None, 32, 4, 8, 1), ("v3", None, 64, 4, 8, 1),
+                    ("v3", 4, 32, 4, 8, 1), ("v3", None, 32, 4, 4, 1), ("v3", None, 32, 4, 8, 2)]
+        else:
+            cfgs = [("v1", None, 64, 2, 8, 1), ("v3", None, 32, 4, 8, 1), ("v3", 16, 64, 4, 8, 1),
+                    ("v3", 32, 32, 4, 8, 1), ("v3", 16, 32, 4, 4, 1), ("v3", 64, 32, 4, 4, 1)]
         for impl, nsplit, bn, nacc, nw, ns in cfgs:
             var = f"triton {impl} nsplit={nsplit or 'auto'} bn={bn} nacc={nacc} warps={nw} stages={ns}"
             try:

@@ -1,6 +1,6 @@
 """Triton kernels: fused lightning indexer over the paged MXFP8 index-K cache (score + ReLU + weights + top-k).
 
-Semantics: plugins/indexer_topk/torch_ref.py. Five launches, no host sync, CUDA-graph capturable:
+Semantics: plugins/indexer_topk/torch_ref.py. No host sync, CUDA-graph capturable. impl "v1" (first pass), five launches:
 1. `_score_kernel` (grid rows x splits): per 64-token tile, gather codes/scales through the block table, four
    bf16 tensor-core dots [BN,32]x[32,H] (E4M3 codes are exact in bf16) each scaled by its E8M0 group scale, ReLU,
    head weighting, head sum -> fp32 score; writes scores to a workspace row and a 256-bin histogram of the top 8
@@ -12,6 +12,18 @@ Semantics: plugins/indexer_topk/torch_ref.py. Five launches, no host sync, CUDA-
    3 x 11 bits by ~5x.)
 Workspace histograms/counters clean themselves (pass 2 zeroes hist3 + counters, pass 3 hist1 + hist4, pass 4 hist2,
 pass 5 hist3), so a workspace must not serve two calls in flight on different streams. Output order is unspecified.
+
+impl "v2" (default since the second pass; `_score2_kernel`, `_cand_kernel`, `_final_kernel`), three launches:
+1. score: per tile of 128 keys the E4M3 codes go to fp16 (one cvt per code pair), each 32-group pre-scaled by
+   2^(e_g - e_max) (exact above fp16's range floor), one fp16 tensor-core dot chain against q scaled by a power of two
+   (exact), relu, weights, head sum, times 2^(e_max - 127); manual prefetch (codes of tile t+1, block-table rows of
+   tile t+2 in flight while tile t computes). Writes scores and the max of every group of G positions (G ~ L/(2k)).
+2. threshold + candidates: T = top 16 bits of the k-th largest group max (bisection over the register-resident group
+   maxima): at least k scores are >= T, so every top-k score is a candidate; each program of the row recomputes T
+   and appends its slice's candidates (atomic slot counter). Typically ~1.2-1.5 k candidates.
+3. exact select among the candidates, one program per row: bisection for the k-th key, ties to the lower position
+   (a second bisection on position), deterministic slots (cumsum); resets the counter.
+`indexer_topk_decode_onnx_contract` adapts the output to kimi.IndexerTopK's contract (int64, sorted, -1 / -1e30).
 """
 
 from __future__ import annotations
@@ -163,6 +175,241 @@ if triton is not None:
             tl.atomic_add(hrow + (PASS - 1) * _NB + ar, h, mask=h > 0, sem="relaxed")
 
 
+    # ------------------------------------------------------------------ v2: fp16 tensor cores + threshold select
+    @triton.jit
+    def _unkey(k):
+        return tl.where(k < 0, k ^ 0x7FFFFFFF, k).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pow2(e):  # 2^e as fp32 for integer e (clamped to the normal range; below it flushes to 0)
+        return (tl.minimum(tl.maximum(e + 127, 0), 254) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tile_rows(BT, seq, stride_bt, t, L, t1, n, BS: tl.constexpr, BN: tl.constexpr):
+        pos = t * BN + n
+        valid = (pos < L) & (t < t1)
+        blk = tl.load(BT + seq * stride_bt + pos // BS, mask=valid, other=0).to(tl.int64)
+        return blk * BS + (pos % BS), valid
+
+    @triton.jit
+    def _score2_kernel(Q, W, KC, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, tiles_per_prog,
+                       BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
+        # Per tile of BN keys: E4M3 codes -> fp16 (one cvt per 2 codes), each 32-group pre-scaled by
+        # 2^(e_g - e_max) (exact unless below fp16 range), one fp16 tensor-core dot chain [BN,128]x[128,H] against
+        # q (scaled by a power of two into fp16 range, exact), relu, head weights, head sum, times 2^(e_max-127).
+        # Manual software pipeline: codes of tile t+1 and the block-table rows of tile t+2 are in flight while
+        # tile t is computed. Writes fp32 scores and the max of every group of G positions (for the threshold).
+        r = tl.program_id(0)
+        s = tl.program_id(1)
+        L = tl.load(ROW_LEN + r)
+        seq = tl.load(ROW_SEQ + r).to(tl.int64)
+        h = tl.arange(0, H)
+        d = tl.arange(0, 32)
+        n = tl.arange(0, BN)
+        qb = Q + r.to(tl.int64) * H * D + h[None, :] * D + d[:, None]  # q^T group tiles [32, H]
+        q0 = tl.load(qb + 0).to(tl.float32)
+        q1 = tl.load(qb + 32).to(tl.float32)
+        q2 = tl.load(qb + 64).to(tl.float32)
+        q3 = tl.load(qb + 96).to(tl.float32)
+        qmax = tl.max(tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), 1), 0)
+        qe = ((qmax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        shift = tl.where(qmax > 0, 8 - qe, 0)
+        shift = tl.minimum(tl.maximum(shift, -120), 120)
+        qs = _pow2(shift)
+        q0 = (q0 * qs).to(tl.float16)
+        q1 = (q1 * qs).to(tl.float16)
+        q2 = (q2 * qs).to(tl.float16)
+        q3 = (q3 * qs).to(tl.float16)
+        wv = tl.load(W + r * H + h).to(tl.float32) * _pow2(-shift)
+        t0 = s * tiles_per_prog
+        t1 = tl.minimum(t0 + tiles_per_prog, tl.cdiv(L, BN))
+        row, valid = _tile_rows(BT, seq, stride_bt, t0, L, t1, n, BS, BN)
+        cp = KC + row[:, None] * D + d[None, :]
+        sp = KS + row * (D // 32)
+        c0 = tl.load(cp + 0, mask=valid[:, None], other=0)
+        c1 = tl.load(cp + 32, mask=valid[:, None], other=0)
+        c2 = tl.load(cp + 64, mask=valid[:, None], other=0)
+        c3 = tl.load(cp + 96, mask=valid[:, None], other=0)
+        e0 = tl.load(sp + 0, mask=valid, other=127).to(tl.int32)
+        e1 = tl.load(sp + 1, mask=valid, other=127).to(tl.int32)
+        e2 = tl.load(sp + 2, mask=valid, other=127).to(tl.int32)
+        e3 = tl.load(sp + 3, mask=valid, other=127).to(tl.int32)
+        rown, validn = _tile_rows(BT, seq, stride_bt, t0 + 1, L, t1, n, BS, BN)
+        for t in range(t0, t1):
+            # issue tile t+1's loads and tile t+2's block-table lookup before computing tile t
+            cpn = KC + rown[:, None] * D + d[None, :]
+            spn = KS + rown * (D // 32)
+            n0 = tl.load(cpn + 0, mask=validn[:, None], other=0)
+            n1 = tl.load(cpn + 32, mask=validn[:, None], other=0)
+            n2 = tl.load(cpn + 64, mask=validn[:, None], other=0)
+            n3 = tl.load(cpn + 96, mask=validn[:, None], other=0)
+            f0 = tl.load(spn + 0, mask=validn, other=127).to(tl.int32)
+            f1 = tl.load(spn + 1, mask=validn, other=127).to(tl.int32)
+            f2 = tl.load(spn + 2, mask=validn, other=127).to(tl.int32)
+            f3 = tl.load(spn + 3, mask=validn, other=127).to(tl.int32)
+            rown2, validn2 = _tile_rows(BT, seq, stride_bt, t + 2, L, t1, n, BS, BN)
+            emax = tl.maximum(tl.maximum(e0, e1), tl.maximum(e2, e3))
+            a0 = c0.to(tl.float8e4nv, bitcast=True).to(tl.float16) * _pow2(e0 - emax).to(tl.float16)[:, None]
+            a1 = c1.to(tl.float8e4nv, bitcast=True).to(tl.float16) * _pow2(e1 - emax).to(tl.float16)[:, None]
+            a2 = c2.to(tl.float8e4nv, bitcast=True).to(tl.float16) * _pow2(e2 - emax).to(tl.float16)[:, None]
+            a3 = c3.to(tl.float8e4nv, bitcast=True).to(tl.float16) * _pow2(e3 - emax).to(tl.float16)[:, None]
+            acc = tl.dot(a0, q0)
+            acc = tl.dot(a1, q1, acc)
+            acc = tl.dot(a2, q2, acc)
+            acc = tl.dot(a3, q3, acc)
+            sc = tl.sum(tl.maximum(acc, 0.0) * wv[None, :], 1) * _pow2(emax - 127)
+            pos = t * BN + n
+            tl.store(SC + r.to(tl.int64) * cap + pos, sc, mask=valid)
+            gm = tl.max(tl.reshape(tl.where(valid, sc, float("-inf")), [BN // G, G]), 1)
+            tl.store(GM + r.to(tl.int64) * ngcap + t * (BN // G) + tl.arange(0, BN // G), gm)
+            c0, c1, c2, c3, e0, e1, e2, e3, valid = n0, n1, n2, n3, f0, f1, f2, f3, validn
+            rown, validn = rown2, validn2
+
+    @triton.jit
+    def _pred(k, p, tk, tp, MODE: tl.constexpr):
+        if MODE == 0:
+            res = k >= tk
+        elif MODE == 1:
+            res = k > tk
+        elif MODE == 2:
+            res = k == tk
+        else:
+            res = (k == tk) & (p <= tp)
+        return res
+
+    @triton.jit
+    def _count(CS, CP, base, nc, kr, pr, tk, tp, MODE: tl.constexpr, INREG: tl.constexpr, CH: tl.constexpr):
+        # number of candidates satisfying _pred; INREG: kr/pr hold all of them (masked keys = INT_MIN)
+        if INREG:
+            c = tl.sum(_pred(kr, pr, tk, tp, MODE).to(tl.int32), 0)
+        else:
+            c = nc * 0
+            for i in range(0, nc, CH):
+                ar = i + tl.arange(0, CH)
+                m = ar < nc
+                k = tl.where(m, _key(tl.load(CS + base + ar, mask=m, other=0.0)), -2147483648)
+                p = tl.load(CP + base + ar, mask=m, other=0)
+                c += tl.sum(_pred(k, p, tk, tp, MODE).to(tl.int32), 0)
+        return c
+
+    @triton.jit
+    def _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, INREG: tl.constexpr, CH: tl.constexpr):
+        # exact top-`target` of the nc candidates: k-th largest key by bisection, ties to the lower position
+        ar = tl.arange(0, CH)
+        m = ar < nc
+        kr = tl.where(m, _key(tl.load(CS + base + ar, mask=m, other=0.0)), -2147483648)
+        pr = tl.load(CP + base + ar, mask=m, other=0)
+        z64 = nc.to(tl.int64) * 0
+        if INREG:
+            lo = z64 + tl.min(tl.where(m, kr, 2147483647), 0)
+            hi = z64 + tl.max(kr, 0)
+        else:
+            lo = z64 - 2147483647
+            hi = z64 + 2147483647
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            c = _count(CS, CP, base, nc, kr, pr, mid.to(tl.int32), 0, 0, INREG, CH)
+            ok = c >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        tk = lo.to(tl.int32)
+        ngt = _count(CS, CP, base, nc, kr, pr, tk, 0, 1, INREG, CH)
+        neq = _count(CS, CP, base, nc, kr, pr, tk, 0, 2, INREG, CH)
+        need = target - ngt
+        plo = nc * 0
+        phi = tl.where(neq > need, 2147483646, 0)
+        while plo < phi:
+            pm = plo + (phi - plo) // 2
+            c = _count(CS, CP, base, nc, kr, pr, tk, pm, 3, INREG, CH)
+            ok = c >= need
+            phi = tl.where(ok, pm, phi)
+            plo = tl.where(ok, plo, pm + 1)
+        alleq = neq <= need
+        if INREG:
+            sel = m & ((kr > tk) | ((kr == tk) & ((pr <= plo) | alleq)))
+            si = sel.to(tl.int32)
+            slot = tl.cumsum(si, 0) - 1
+            tl.store(OUT_I + obase + slot, pr, mask=sel)
+            tl.store(OUT_S + obase + slot, _unkey(kr), mask=sel)
+        else:
+            done = nc * 0
+            for i in range(0, nc, CH):
+                a2 = i + ar
+                m2 = a2 < nc
+                k = tl.where(m2, _key(tl.load(CS + base + a2, mask=m2, other=0.0)), -2147483648)
+                p = tl.load(CP + base + a2, mask=m2, other=0)
+                sel = m2 & ((k > tk) | ((k == tk) & ((p <= plo) | alleq)))
+                si = sel.to(tl.int32)
+                slot = done + tl.cumsum(si, 0) - 1
+                tl.store(OUT_I + obase + slot, p, mask=sel)
+                tl.store(OUT_S + obase + slot, _unkey(k), mask=sel)
+                done += tl.sum(si, 0)
+
+    @triton.jit
+    def _cand_kernel(SC, GM, CS, CP, CNT, ROW_LEN, cap, ngcap, chunk, topk, G: tl.constexpr, NGB: tl.constexpr,
+                     BLK: tl.constexpr):
+        # Threshold T = (top 16 bits of) the keff-th largest group max: at least keff scores are >= T, so every
+        # top-keff score is a candidate. Each program recomputes T (same data, same result) and appends the
+        # candidates of its slice of the row (atomic slot counter per row).
+        r = tl.program_id(0)
+        s = tl.program_id(1)
+        L = tl.load(ROW_LEN + r)
+        keff = tl.minimum(L, topk)
+        ng = tl.cdiv(L, G)
+        gbase = r.to(tl.int64) * ngcap
+        ga = tl.arange(0, NGB)
+        gm_in = ga < ng
+        gk = tl.where(gm_in, _key(tl.load(GM + gbase + ga, mask=gm_in, other=0.0)), -2147483648)
+        lo = L * 0 - 32768
+        hi = tl.where(ng >= keff, 32767, -32768)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            if ng <= NGB:
+                c = tl.sum((gk >= (mid << 16)).to(tl.int32), 0)
+            else:
+                c = L * 0
+                for i in range(0, ng, NGB):
+                    a = i + ga
+                    mm = a < ng
+                    kk = tl.where(mm, _key(tl.load(GM + gbase + a, mask=mm, other=0.0)), -2147483648)
+                    c += tl.sum((kk >= (mid << 16)).to(tl.int32), 0)
+            ok = c >= keff
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        T = lo << 16
+        p0 = s * chunk
+        p1 = tl.minimum(p0 + chunk, L)
+        cbase = r.to(tl.int64) * cap
+        for b0 in range(p0, p1, BLK):
+            pos = b0 + tl.arange(0, BLK)
+            valid = pos < p1
+            x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
+            mk = valid & (_key(x) >= T)
+            mi = mk.to(tl.int32)
+            base = tl.atomic_add(CNT + r, tl.sum(mi, 0), sem="relaxed")
+            slot = base + tl.cumsum(mi, 0) - 1
+            tl.store(CS + cbase + slot, x, mask=mk)
+            tl.store(CP + cbase + slot, pos, mask=mk)
+
+    @triton.jit
+    def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, CH: tl.constexpr, KP2: tl.constexpr):
+        r = tl.program_id(0)
+        L = tl.load(ROW_LEN + r)
+        keff = tl.minimum(L, topk)
+        nc = tl.atomic_xchg(CNT + r, 0)  # read and reset (the workspace cleans itself)
+        obase = r.to(tl.int64) * topk
+        kk = tl.arange(0, KP2)
+        pm = (kk >= keff) & (kk < topk)
+        tl.store(OUT_I + obase + kk, tl.full([KP2], -1, tl.int32), mask=pm)
+        tl.store(OUT_S + obase + kk, tl.full([KP2], float("-inf"), tl.float32), mask=pm)
+        target = tl.minimum(keff, nc)
+        base = r.to(tl.int64) * cap
+        if nc <= CH:
+            _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, True, CH)
+        else:
+            _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, False, CH)
+
+
 _WS: dict = {}
 _AR: dict = {}
 
@@ -190,13 +437,19 @@ def _num_sms(device) -> int:
 
 
 def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap: int, topk: int,
-                  bn: int = 64, num_warps: int = 4, progs_per_sm: int = 4, out=None):
+                  bn: int | None = None, num_warps: int = 4, progs_per_sm: int | None = None, out=None,
+                  impl: str = "v2", num_stages: int = 2):
     if triton is None:
         raise RuntimeError("indexer_topk Triton kernels need triton and a CUDA GPU")
-    score_k, select_k = _score_kernel, _select_kernel
     R, H, D = q.shape
     assert D == 128 and k_codes.shape[-1] == D and k_scales.shape[-1] == D // 32, "index head dim must be 128"
     assert q.dtype == torch.bfloat16 and k_codes.dtype == torch.uint8 and k_scales.dtype == torch.uint8
+    if impl == "v2":
+        return _indexer_topk_v2(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk,
+                                bn or 128, num_warps, progs_per_sm or 2, out, num_stages)
+    bn = bn or 64
+    progs_per_sm = progs_per_sm or 4
+    score_k, select_k = _score_kernel, _select_kernel
     bs = k_codes.shape[1]
     q = q.contiguous()
     weights = weights.float().contiguous()
@@ -224,24 +477,111 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
     return out_i, out_s
 
 
+_WS2: dict = {}
+
+
+def _group_size(cap: int, topk: int, bn: int) -> int:
+    """Positions per group for the threshold: about 2*topk groups per row (>= topk needed for a bound)."""
+    g = max(16, triton.next_power_of_2(triton.cdiv(cap, 2 * max(topk, 1))))
+    return min(g, bn)
+
+
+def _indexer_topk_v2(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, bn, num_warps,
+                     progs_per_sm, out, num_stages):
+    """Three launches: score (+ group maxima), threshold + candidate compaction, exact selection among the
+    candidates. No histograms; candidates are typically ~1.2-1.5 x topk."""
+    R, H, D = q.shape
+    bs = k_codes.shape[1]
+    q = q.contiguous()
+    weights = weights.float().contiguous()
+    G = _group_size(cap, topk, bn)
+    ntiles = triton.cdiv(cap, bn)
+    ngcap = ntiles * (bn // G)
+    key = (str(q.device), R, cap, ngcap)
+    ws = _WS2.get(key)
+    if ws is None:
+        dev = q.device
+        ws = (torch.empty(R, cap, dtype=torch.float32, device=dev), torch.empty(R, ngcap, dtype=torch.float32, device=dev),
+              torch.empty(R, cap, dtype=torch.float32, device=dev), torch.empty(R, cap, dtype=torch.int32, device=dev),
+              torch.zeros(R, dtype=torch.int32, device=dev))
+        _WS2[key] = ws
+    sc, gm, cs, cp, cnt = ws
+    if out is None:
+        out = (torch.empty(R, topk, dtype=torch.int32, device=q.device),
+               torch.empty(R, topk, dtype=torch.float32, device=q.device))
+    out_i, out_s = out
+    nsm = _num_sms(q.device)
+    want = max(1, (progs_per_sm * nsm) // max(R, 1))
+    tpp = max(1, triton.cdiv(ntiles, want))
+    splits = triton.cdiv(ntiles, tpp)
+    _score2_kernel[(R, splits)](q, weights, k_codes, k_scales, block_table, row_seq, row_len, sc, gm,
+                                block_table.stride(0), cap, ngcap, tpp, BS=bs, H=H, D=D, BN=bn, G=G,
+                                num_warps=num_warps, num_stages=num_stages)
+    blk = 2048
+    s2 = max(1, min(triton.cdiv(cap, blk), (2 * nsm) // max(R, 1)))
+    chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
+    ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
+    _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
+                                                NGB=ngb, BLK=blk, num_warps=4)
+    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, CH=4096,
+                        KP2=triton.next_power_of_2(topk), num_warps=8)
+    return out_i, out_s
+
+
 def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
                         block_table: torch.Tensor, context_lens: torch.Tensor, topk: int = 2048, *,
-                        bn: int = 64, num_warps: int = 4, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+                        bn: int | None = None, num_warps: int = 4, out=None, impl: str = "v2",
+                        num_stages: int = 2, progs_per_sm: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, 128] bf16, weights [B, H] f32, k_codes [NB, BS, 128] u8, k_scales [NB, BS, 4] u8,
     block_table [B, MB] i32, context_lens [B] i32 -> (indices [B, topk] i32 (-1 pad), scores [B, topk] f32)."""
     B = q.shape[0]
     cap = block_table.shape[1] * k_codes.shape[1]
     return _indexer_topk(q, weights, k_codes, k_scales, block_table, _arange(B, q.device),
-                         context_lens.to(torch.int32), cap, topk, bn=bn, num_warps=num_warps, out=out)
+                         context_lens.to(torch.int32), cap, topk, bn=bn, num_warps=num_warps, out=out, impl=impl,
+                         num_stages=num_stages, progs_per_sm=progs_per_sm)
 
 
 def indexer_topk_prefill(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
                          block_table_row: torch.Tensor, start_pos: int, topk: int = 2048, *,
-                         bn: int = 64, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                         bn: int | None = None, num_warps: int = 4, impl: str = "v2") -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prefill of one sequence: q [T, H, 128] bf16, weights [T, H]; query t sees positions
     s <= start_pos + t (its keys already written to the cache) -> (indices [T, topk], scores [T, topk])."""
     T = q.shape[0]
     row_len = torch.arange(start_pos + 1, start_pos + T + 1, dtype=torch.int32, device=q.device)
     row_seq = torch.zeros(T, dtype=torch.int32, device=q.device)
     return _indexer_topk(q, weights, k_codes, k_scales, block_table_row.reshape(1, -1), row_seq, row_len,
-                         start_pos + T, topk, bn=bn, num_warps=num_warps)
+                         start_pos + T, topk, bn=bn, num_warps=num_warps, impl=impl)
+
+
+def indexer_topk_decode_onnx_contract(q: torch.Tensor, w: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
+                                      block_table: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor,
+                                      topk: int = 2048, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """kimi.IndexerTopK's contract (plugins/indexer_topk/__init__.py) on the MXFP8 cache: q [B,T,H,128] (or
+    [B,H,128] for T=1), w [B,T,H], start/lengths [B] -> indices [B,T,topk] int64 sorted by score desc then position
+    asc, -1 where fewer positions are visible; scores [B,T,topk] fp32, -1e30 where invalid. Query (b, t) sees
+    s <= start[b] + t and s < start[b] + lengths[b]."""
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, w = q[:, None], w[:, None]
+    B, T, H, D = q.shape
+    dev = q.device
+    st = start.to(device=dev, dtype=torch.int64)
+    ln = lengths.to(device=dev, dtype=torch.int64)
+    t = torch.arange(T, device=dev, dtype=torch.int64)
+    row_len = torch.minimum(st[:, None] + t[None, :] + 1, (st + ln)[:, None]).clamp_min(0).to(torch.int32).reshape(-1)
+    row_seq = torch.arange(B, device=dev, dtype=torch.int32).repeat_interleave(T)
+    bt = block_table.to(torch.int32).contiguous()
+    cap = bt.shape[1] * k_codes.shape[1]
+    idx, sc = _indexer_topk(q.reshape(B * T, H, D).to(torch.bfloat16), w.reshape(B * T, H), k_codes, k_scales, bt,
+                            row_seq, row_len, cap, topk, **kw)
+    pos = idx.long()
+    valid = pos >= 0
+    s = torch.where(valid, sc, torch.full_like(sc, float("-inf")))
+    o1 = torch.argsort(torch.where(valid, pos, torch.full_like(pos, 1 << 62)), dim=-1, stable=True)
+    o2 = torch.argsort(s.gather(-1, o1), dim=-1, descending=True, stable=True)
+    order = o1.gather(-1, o2)
+    pos, s, valid = pos.gather(-1, order), s.gather(-1, order), valid.gather(-1, order)
+    s = torch.where(valid, s, torch.full_like(s, -1e30))
+    pos = torch.where(valid, pos, torch.full_like(pos, -1))
+    shape = (B, topk) if squeeze else (B, T, topk)
+    return pos.reshape(shape), s.reshape(shape)

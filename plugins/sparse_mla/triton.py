@@ -163,6 +163,72 @@ if triton is not None:
             tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
 
     @triton.jit
+    def _mla_rows(IDX, BT, seq, stride_bt, ibase, n0, end, BS: tl.constexpr, BN: tl.constexpr):
+        nn = n0 + tl.arange(0, BN)
+        ids = tl.load(IDX + ibase + nn, mask=nn < end, other=-1)
+        valid = ids >= 0
+        blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
+        return blk * BS + ids % BS, valid
+
+    @triton.jit
+    def _sparse_mla_v3_kernel(Q, KV8, KV32, KV16, BT, ROW_SEQ, IDX, O, OPART, LSE, qk_scale_log2,
+                              stride_bt, topk, per_split,
+                              BS: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                              NSPLIT: tl.constexpr):
+        # v3 = v2's single wide dots, with (a) the four tile scales loaded once per row ([BN,4]) and applied
+        # through a [BN,4,128] view in bf16 (power-of-two scales: exact), and (b) a manual software pipeline: the
+        # 656-byte rows of tile t+1 are in flight and the block-table lookups of tile t+2 issued while tile t is
+        # computed (the gather chain idx -> block table -> row is three dependent loads).
+        r = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq = tl.load(ROW_SEQ + r).to(tl.int64)
+        ibase = r.to(tl.int64) * topk
+        hh = hb * BH + tl.arange(0, BH)
+        d = tl.arange(0, 512)
+        de = tl.arange(0, 64)
+        d4 = tl.arange(0, 4)
+        qrow = Q + (r.to(tl.int64) * H + hh[:, None]) * 576
+        qn = tl.load(qrow + d[None, :])
+        qe = tl.load(qrow + 512 + de[None, :])
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc = tl.zeros([BH, 512], tl.float32)
+        start = sp * per_split
+        end = tl.minimum(start + per_split, topk)
+        row, valid = _mla_rows(IDX, BT, seq, stride_bt, ibase, start, end, BS, BN)
+        c = tl.load(KV8 + row[:, None] * 656 + d[None, :], mask=valid[:, None], other=0)
+        scl = tl.load(KV32 + row[:, None] * 164 + 128 + d4[None, :], mask=valid[:, None], other=0.0)
+        kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
+        rown, validn = _mla_rows(IDX, BT, seq, stride_bt, ibase, start + BN, end, BS, BN)
+        for n0 in range(start, end, BN):
+            cn = tl.load(KV8 + rown[:, None] * 656 + d[None, :], mask=validn[:, None], other=0)
+            scln = tl.load(KV32 + rown[:, None] * 164 + 128 + d4[None, :], mask=validn[:, None], other=0.0)
+            kpen = tl.load(KV16 + rown[:, None] * 328 + 264 + de[None, :], mask=validn[:, None], other=0.0)
+            rown2, validn2 = _mla_rows(IDX, BT, seq, stride_bt, ibase, n0 + 2 * BN, end, BS, BN)
+            c3 = tl.reshape(c.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16), [BN, 4, 128])
+            kv = tl.reshape(c3 * scl.to(tl.bfloat16)[:, :, None], [BN, 512])
+            s = tl.dot(qn, tl.trans(kv))
+            s = tl.dot(qe, tl.trans(kpe), s)
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            acc = tl.dot(p.to(tl.bfloat16), kv, acc * alpha[:, None])
+            c, scl, kpe, valid = cn, scln, kpen, validn
+            rown, validn = rown2, validn2
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        if NSPLIT == 1:
+            tl.store(O + (r.to(tl.int64) * H + hh[:, None]) * 512 + d[None, :], (acc * inv[:, None]).to(tl.bfloat16))
+        else:
+            tl.store(OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + d[None, :], acc * inv[:, None])
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+            tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
+
+    @triton.jit
     def _combine_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -204,6 +270,8 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
     kv16 = flat.view(torch.bfloat16)
     BH = 64
     ndv = 4 // nacc if impl == "v1" else 1
+    if nsplit is None and impl == "v3":  # ~1 program per SM (one 8-warp program fills an SM's registers)
+        nsplit = max(1, min(triton.cdiv(topk, bn), _num_sms(q.device) // (R * (H // BH))))
     if nsplit is None:  # aim at ~2 programs per SM
         base = R * (H // BH) * ndv
         nsplit = max(1, min(triton.cdiv(topk, bn), (2 * _num_sms(q.device)) // base))
@@ -219,7 +287,12 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
         opart, lse = _WS[key]
     else:
         opart, lse = out, out
-    if impl == "v2":
+    if impl == "v3":
+        _sparse_mla_v3_kernel[(R, H // BH, nsplit)](q, flat, kv32, kv16, block_table, row_seq, indices, out, opart,
+                                                    lse, sm_scale * 1.4426950408889634, block_table.stride(0), topk,
+                                                    per_split, BS=bs, H=H, BH=BH, BN=bn, NSPLIT=nsplit,
+                                                    num_warps=num_warps, num_stages=num_stages)
+    elif impl == "v2":
         _sparse_mla_v2_kernel[(R, H // BH, nsplit)](q, flat, kv32, kv16, block_table, row_seq, indices, out, opart,
                                                     lse, sm_scale * 1.4426950408889634, block_table.stride(0), topk,
                                                     per_split, BS=bs, H=H, BH=BH, BN=bn, NSPLIT=nsplit,
@@ -241,7 +314,8 @@ def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                       num_warps: int = 8, num_stages: int = 1, out=None, impl: str = "v1") -> torch.Tensor:
     """q [B, H, 576] bf16, kv_cache [NB, BS, 656] u8, block_table [B, MB] i32, indices [B, topk] i32 (positions in
     sequence b, -1 = none) -> out [B, H, 512] bf16. sm_scale defaults to 576^-0.5. impl "v1": raw codes into the
-    tensor cores, scales folded into S and P (4 value accumulators); "v2": tile dequantized to bf16, single wide dots."""
+    tensor cores, scales folded into S and P (4 value accumulators); "v2": tile dequantized to bf16, single wide dots;
+    "v3": v2 with per-row scales and a manual prefetch pipeline (bn 32 recommended)."""
     B = q.shape[0]
     key = (str(q.device), B)
     if key not in _AR:

@@ -110,8 +110,9 @@ def test_mla_fp8_quantize_to_cache():
     assert (got[:, :512] == ref[:, :512]).float().mean() >= 0.9999
 
 
+@pytest.mark.parametrize("impl", ["v1", "v2"])
 @pytest.mark.parametrize("bs", [64, 32])
-def test_indexer_topk_decode(bs):
+def test_indexer_topk_decode(bs, impl):
     gen = torch.Generator().manual_seed(3)
     lens = [5000, 1500, 2048, 9000, 1]
     topk = 2048
@@ -124,11 +125,84 @@ def test_indexer_topk_decode(bs):
         oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
         os_ = torch.full((B, topk), float("nan"), device=DEV)
         itk.indexer_topk_decode(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV), cl.to(DEV), topk,
-                                out=(oi, os_))
+                                out=(oi, os_), impl=impl)
         torch.cuda.synchronize()
         _, _, full = iref.indexer_topk_decode_ref(q, w, codes, scales, bt, cl, topk, return_all_scores=True)
         res = iref.check_topk(oi, os_, full, lens, topk)
         assert res["ok"], res
+
+
+@pytest.mark.parametrize("lens,topk", [([70000, 65536], 2048), ([131072], 2048), ([3000, 200, 9000], 512)])
+def test_indexer_topk_decode_v2_long(lens, topk):
+    """v2 threshold select on long rows (register and memory paths), random (non-zero) cache."""
+    gen = torch.Generator().manual_seed(11)
+    bs = 64
+    bt, nb = _paged(lens, bs, gen)
+    codes = torch.randint(0, 255, (nb, bs, 128), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(0, 255, (nb, bs, 4), dtype=torch.uint8, generator=gen)
+    k = torch.randn(nb * bs, 128, generator=gen)
+    iref.write_index_cache_ref(k, torch.arange(nb * bs), codes, scales)
+    B = len(lens)
+    q = torch.randn(B, 64, 128, generator=gen).bfloat16()
+    w = torch.randn(B, 64, generator=gen) * 0.1
+    cl = torch.tensor(lens, dtype=torch.int32)
+    oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
+    os_ = torch.full((B, topk), float("nan"), device=DEV)
+    for _ in range(2):
+        itk.indexer_topk_decode(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV), cl.to(DEV), topk,
+                                out=(oi, os_))
+    torch.cuda.synchronize()
+    _, _, full = iref.indexer_topk_decode_ref(q, w, codes, scales, bt, cl, topk, return_all_scores=True)
+    res = iref.check_topk(oi, os_, full, lens, topk)
+    assert res["ok"], res
+
+
+def _onnx_reference():
+    import importlib
+    return importlib.import_module(itk.__name__.rsplit(".", 1)[0]).reference
+
+
+@pytest.mark.parametrize("zero_w", [False, True])
+def test_indexer_topk_onnx_contract(zero_w):
+    """indexer_topk_decode_onnx_contract vs kimi.IndexerTopK's numpy reference (on the dequantized pool):
+    int64, -1 / -1e30 padding, sorted by score desc then position asc (ties exactly when w = 0)."""
+    reference = _onnx_reference()
+    gen = torch.Generator().manual_seed(12)
+    bs, topk = 64, 256
+    lens = [1000, 100, 700]
+    codes, scales, bt = _index_cache(lens, bs, gen)
+    B = len(lens)
+    q = torch.randn(B, 1, 64, 128, generator=gen).bfloat16()
+    w = torch.zeros(B, 1, 64) if zero_w else torch.randn(B, 1, 64, generator=gen) * 0.1
+    start = torch.tensor([n - 1 for n in lens])  # decode: the new token is the last cached one
+    length = torch.ones(B, dtype=torch.int64)
+    pool = iref.mxfp8_dequantize_ref(codes, scales).numpy()
+    ri, rs = reference(q.float().numpy(), w.numpy(), pool, bt.long().numpy(), start.numpy(), length.numpy(), topk)
+    gi, gs = itk.indexer_topk_decode_onnx_contract(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV),
+                                                   start.to(DEV), length.to(DEV), topk)
+    gi, gs = gi.cpu(), gs.cpu()
+    assert gi.dtype == torch.int64 and gi.shape == (B, 1, topk) and gs.shape == (B, 1, topk)
+    ri, rs = torch.from_numpy(ri), torch.from_numpy(rs)
+    assert torch.equal(gi < 0, ri < 0)
+    assert bool((gs[gi < 0] == -1e30).all())
+    if zero_w:
+        assert torch.equal(gi, ri)  # all scores tie: positions ascending
+        return
+    for b in range(B):
+        n = int((ri[b, 0] >= 0).sum())
+        tol = 1e-3 * float(rs[b, 0, :n].abs().max())
+        full = torch.full((lens[b],), float("nan"), dtype=torch.float64)
+        full[ri[b, 0, :n]] = rs[b, 0, :n].double()
+        # slot by slot the reference score of our index equals the reference's (up to near-ties)
+        d = torch.from_numpy(reference(q[b:b + 1].float().numpy(), w[b:b + 1].numpy(), pool,
+                                       bt[b:b + 1].long().numpy(), start[b:b + 1].numpy(), length[b:b + 1].numpy(),
+                                       lens[b])[1])[0, 0].double()
+        allref = torch.empty(lens[b], dtype=torch.float64)
+        allref[torch.from_numpy(reference(q[b:b + 1].float().numpy(), w[b:b + 1].numpy(), pool,
+                                          bt[b:b + 1].long().numpy(), start[b:b + 1].numpy(),
+                                          length[b:b + 1].numpy(), lens[b])[0])[0, 0]] = d
+        assert float((allref[gi[b, 0, :n]] - rs[b, 0, :n].double()).abs().max()) <= tol
+        assert bool((gs[b, 0, 1:n] <= gs[b, 0, :n - 1]).all())
 
 
 def test_indexer_topk_ties():
@@ -169,7 +243,7 @@ def _mla_cache(lens, bs, gen):
 
 
 @pytest.mark.parametrize("impl,nsplit,nacc", [("v1", None, 4), ("v1", 1, 4), ("v1", 3, 2), ("v2", None, 4),
-                                              ("v2", 1, 4)])
+                                              ("v2", 1, 4), ("v3", None, 4), ("v3", 1, 4), ("v3", 7, 4)])
 def test_sparse_mla_decode(impl, nsplit, nacc):
     gen = torch.Generator().manual_seed(6)
     lens, topk, H = [3000, 2500, 100], 2048, 128
@@ -184,7 +258,7 @@ def test_sparse_mla_decode(impl, nsplit, nacc):
     q = (torch.randn(B, H, 576, generator=gen) * 0.5).bfloat16()
     out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
     mtk.sparse_mla_decode(q.to(DEV), cache.to(DEV), bt.to(DEV), idx.to(DEV), nsplit=nsplit, nacc=nacc, out=out,
-                          impl=impl)
+                          impl=impl, bn=32 if impl == "v3" else 64)
     ref = mref.sparse_mla_decode_ref(q, cache, bt, idx, 576 ** -0.5)
     assert not out.isnan().any()
     assert rel(out, ref) < 1e-2
