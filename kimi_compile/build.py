@@ -284,23 +284,26 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
 
         backend_key = cache_key(stage="backend", graphs=final_keys, backend=recipe.backend.name,
                                 version=backend.version(), build_version=backend.BUILD_VERSION,
-                                options=recipe.backend.options, target=recipe.target)
+                                options=recipe.backend.options, target=recipe.target,
+                                export=dataclasses.asdict(recipe.export))
 
         def produce_backend(d: Path) -> None:
             say(f"backend {recipe.backend.name}: writing engines")
-            rec = backend.build(graphs, d, recipe.backend.options)
+            rec = backend.build(graphs, d, {**recipe.backend.options, "_build": {
+                "target": recipe.target, "export": dataclasses.asdict(recipe.export)}})
             (d / "record.json").write_text(json.dumps(rec))
 
         entry, hit = cache.get_or_create("backend", backend_key, produce_backend)
         hits.setdefault("backend", []).append(hit)
         brec = json.loads((entry / "record.json").read_text())
         shared = brec.pop("_shared_initializers", 0)
+        trt_info = brec.pop("_trt", None)
 
         out_dir = Path(out_dir)
         with ArtifactWriter(out_dir) as w:
             for f in sorted(entry.rglob("*")):
                 rel = f.relative_to(entry).as_posix()
-                if f.is_file() and rel.startswith("graphs/"):
+                if f.is_file() and rel.startswith(("graphs/", "engines/")):
                     w.add_file(rel, src_path=f, link_ok=False)
             graph_info = {}
             for phase, g in brec.items():
@@ -326,7 +329,7 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
                 "model_config": cfg.to_dict(),
                 "model_source": source,
                 "backend": {"name": recipe.backend.name, "version": backend.version(), "target": recipe.target,
-                            "shared_initializers": shared},
+                            "shared_initializers": shared, **({"trt": trt_info} if trt_info else {})},
                 "graphs": graph_info,
                 "cache_layouts": layouts,
                 "bytes_per_token": sum(c["bytes_per_token"] for c in layouts),

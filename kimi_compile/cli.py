@@ -46,9 +46,10 @@ def main(ctx, debug, verbose):
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--model", "model_dir", type=click.Path(file_okay=False), help="HF checkpoint directory.")
 @click.option("--backend", type=click.Choice(["onnxruntime", "cuda", "tensorrt"]), help="Override the backend.")
+@click.option("--target", help="Override the target (cpu for onnxruntime; a GPU arch such as sm89 for tensorrt).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Artifact directory (default artifacts/NAME).")
 @click.option("--verify", is_flag=True, help="Check ONNX Runtime against the reference after every pass.")
-def build(recipe, model_dir, backend, out_dir, verify):
+def build(recipe, model_dir, backend, target, out_dir, verify):
     """Build an artifact from RECIPE."""
     import warnings
 
@@ -67,6 +68,12 @@ def build(recipe, model_dir, backend, out_dir, verify):
         changes["checkpoint"] = model_dir
     if backend:
         changes["backend"] = backend
+        if backend == "tensorrt" and not target and r.target == "cpu":
+            target = "sm89"  # engines are built ahead of time for a GPU, even on a CPU-only machine
+        if backend == "onnxruntime" and not target:
+            target = "cpu"
+    if target:
+        changes["target"] = target
     if changes:
         r = with_overrides(r, **changes)
     out = Path(out_dir or Path("artifacts") / r.name)
@@ -134,7 +141,9 @@ def inspect(artifact, as_json, diff_against):
     info = {
         "graphs": {p: {"node_count": g["node_count"], "op_histogram": g["op_histogram"],
                        "kimi_ops": {k: v for k, v in g["op_histogram"].items() if k.startswith("kimi.")},
-                       "inputs": g["inputs"], "outputs": g["outputs"], "file": g["file"]}
+                       "inputs": g["inputs"], "outputs": g["outputs"], "file": g["file"],
+                       **{k: g[k] for k in ("engine", "lowering", "layers", "kimi_op_layers", "io",
+                                            "compute_capabilities", "engine_bytes", "flavour", "version") if k in g}}
                    for p, g in m["graphs"].items()},
         "pass_log": m.get("pass_log", []),
         "precision_plan": m.get("precision_plan", []),
@@ -192,8 +201,10 @@ def inspect(artifact, as_json, diff_against):
 
 def _attach_cache():
     from kimi_compile.cli_cache import cache
+    from kimi_compile.cli_verify import verify
 
     main.add_command(cache)
+    main.add_command(verify)
 
 
 _attach_cache()

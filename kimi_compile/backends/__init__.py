@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-BACKENDS = {"onnxruntime": "kimi_compile.backends.onnxruntime"}
+BACKENDS = {"onnxruntime": "kimi_compile.backends.onnxruntime", "tensorrt": "kimi_compile.backends.tensorrt"}
 
 
 class BackendError(RuntimeError):
