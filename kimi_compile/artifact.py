@@ -474,6 +474,12 @@ def render_report(manifest: Mapping[str, Any]) -> str:
     elif isinstance(plan, (list, tuple)):
         out += ["## Precision plan", "", "All tensors in the model dtype (no precision rules).", ""]
 
+    accuracy = manifest.get("accuracy")  # issue 5: quantized vs unquantized (kimi_compile/accuracy.py)
+    if isinstance(accuracy, Mapping) and accuracy:
+        from kimi_compile.accuracy import render_markdown
+
+        out += [render_markdown(dict(accuracy))]
+
     coverage = manifest.get("op_coverage")
     if isinstance(coverage, Mapping) and coverage:
         rows = [[op, info if not isinstance(info, Mapping) else

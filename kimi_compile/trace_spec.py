@@ -59,8 +59,18 @@ def signature(m: ir.Model) -> dict:
     return {"inputs": [desc(v) for v in m.graph.inputs], "outputs": [desc(v) for v in m.graph.outputs]}
 
 
-def cache_layouts(cfg: KimiConfig, block_size: int) -> list[dict]:
-    """Every cache: shape, dtype and bytes per token (per sequence for the KDA states)."""
+_NP_DTYPE = {"FLOAT": "float32", "FLOAT16": "float16", "UINT8": "uint8", "INT64": "int64", "INT32": "int32"}
+
+
+def cache_layouts(cfg: KimiConfig, block_size: int, graph: ir.Model | None = None) -> list[dict]:
+    """Every cache: shape, dtype and bytes per token (per sequence for the KDA states).
+
+    With `graph` (a built phase graph), the rows are its cache inputs as they are after the passes (issue 5: the
+    quantize pass splits a cache into codes / scale / kept pools, tagged with metadata_props kimi.cache, kimi.role,
+    kimi.format, kimi.dims); each row then also says `cache` (the logical cache), `role`, `format` and
+    `scale_layout`."""
+    if graph is not None:
+        return _graph_cache_layouts(cfg, block_size, graph)
     rows = []
     for s in cache_specs(cfg, block_size):
         per = 1
@@ -73,6 +83,41 @@ def cache_layouts(cfg: KimiConfig, block_size: int) -> list[dict]:
             "bytes_per_token": (per // block_size) * 4 if paged else 0,
             "bytes_per_sequence": 0 if paged else per * 4,
         })
+    return rows
+
+
+def _graph_cache_layouts(cfg: KimiConfig, block_size: int, m: ir.Model) -> list[dict]:
+    specs = {s.name: s for s in cache_specs(cfg, block_size)}
+    rows = []
+    for v in m.graph.inputs:
+        meta = v.metadata_props
+        parent = specs.get(meta.get("kimi.cache", v.name))
+        if parent is None:
+            continue
+        shape = [d if isinstance(d, int) else str(d) for d in v.shape]
+        if shape and shape[0] == "num_blocks" or parent.shape[0] == "num_blocks":
+            shape[0] = "num_blocks"
+        elif parent.shape[0] == "batch":
+            shape[0] = "batch"
+        dtype = _NP_DTYPE.get(v.dtype.name, v.dtype.name.lower())
+        per = 1
+        for d in shape[1:]:
+            per *= d
+        paged = shape[0] == "num_blocks"
+        nbytes = int(per * v.dtype.itemsize)
+        fmt = meta.get("kimi.format", dtype)
+        row = {"name": v.name, "layer": parent.layer, "kind": parent.kind, "shape": shape, "dtype": dtype,
+               "paged": paged,
+               "bytes_per_token": nbytes // block_size if paged else 0,
+               "bytes_per_sequence": 0 if paged else nbytes,
+               "cache": parent.name, "role": meta.get("kimi.role", ""), "format": fmt,
+               "dims": meta.get("kimi.dims", f"0:{parent.shape[-1]}")}
+        if "/" in fmt:  # a scale pool: "<e8m0|fp32>/<values per scale>"
+            kind, per_scale = fmt.split("/")
+            row["scale_layout"] = f"{kind} per {per_scale} values, [..., {shape[-1]}] per token"
+        elif fmt.endswith(".codes"):
+            row["scale_layout"] = f"{fmt}, scales in {v.name}.scale"
+        rows.append(row)
     return rows
 
 

@@ -68,7 +68,7 @@ def test_quant_recipe_precision_rules():
     assert list(rules) == ["indexer_qk", "index_k_cache", "latent_kv_cache", "projection_weight"]
     assert rules["indexer_qk"].options == MXFP8Options(rounding="floor", elem="e4m3", block=32)
     assert rules["index_k_cache"].format == "mxfp8"
-    assert rules["latent_kv_cache"].options == FP8TileOptions(tile=128, scale_fmt="ue8m0")
+    assert rules["latent_kv_cache"].options == FP8TileOptions(tile=16, scale_fmt="ue8m0")  # kv_lora_rank 16 here
     assert rules["projection_weight"].format == "bf16"
     assert r.to_dict()["precision"][3] == {"role": "projection_weight", "format": "bf16", "options": {}}
     assert not load_recipe(RECIPES / "kimi-k3.1-tiny.yaml").precision

@@ -281,3 +281,22 @@ def test_verify_names_the_first_pass_that_breaks_tolerance(built, monkeypatch):
     with pytest.raises(BuildError, match="pass 'scale_head' broke the prefill graph"):
         build(dataclasses.replace(recipe, passes=passes), tmp / "broken", verify=True, cache=cache)
     assert not (tmp / "broken").exists()
+
+
+def test_default_pipeline_fuses_every_layer_kind(built):
+    """Issue contract, read through `inspect --json`: per graph one IndexerTopK and one SparseMLA per indexed MLA
+    layer, one KDA per KDA layer, AttnRes and MoE fused per layer, no indexer TopK/ReduceSum left outside bodies."""
+    recipe, res, _, _ = built
+    from kimi_compile.config import preset
+
+    cfg = preset(recipe.model.preset)
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(res.artifact), "--json"]).output)
+    n_moe = sum(cfg.is_moe(i) for i in range(cfg.num_hidden_layers))
+    mixes = 2 * cfg.num_hidden_layers  # two per layer, minus layer 0's attention side, plus the final mix
+    for phase in ("prefill", "decode"):
+        h = info["graphs"][phase]["op_histogram"]
+        assert h["kimi.IndexerTopK"] == h["kimi.SparseMLA"] == len(cfg.indexed_layer_ids)
+        assert h["kimi.KDA"] == len(cfg.kda_layer_ids) and h["kimi.MoE"] == n_moe
+        assert h["kimi.AttnResMerge"] == mixes
+        assert "TopK" not in h and "ReduceSum" not in h and "Relu" not in h
+        assert info["op_coverage"][phase]["total_pct"] > 80
