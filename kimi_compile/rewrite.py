@@ -8,6 +8,7 @@ A fusion pass subclasses `FusionPass`, yields anchor nodes, and for each anchor 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -41,12 +42,30 @@ def producer(v: ir.Value | None, op_type: str | tuple[str, ...], reason: str, do
     return n
 
 
+_LOW_FLOAT = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+
+
+def stored_weight(v: ir.Value | None) -> ir.Value | None:
+    """The bf16/fp16 initializer `w` when v = Cast(w, to=FLOAT) (a weight stored low by `quantize`), else None."""
+    n = v.producer() if v is not None else None
+    if n is None or n.op_type != "Cast" or n.domain != "" or attr(n, "to") != ir.DataType.FLOAT:
+        return None
+    w = n.inputs[0]
+    if w is None or w.const_value is None or w.const_value.dtype not in _LOW_FLOAT:
+        return None
+    return w
+
+
 def const(v: ir.Value | None) -> np.ndarray | None:
-    """The constant value of `v` (initializer or Constant node), else None."""
+    """The constant value of `v` (initializer, Constant node, or Cast to float32 of a bf16/fp16 initializer, which
+    is exact), else None."""
     if v is None:
         return None
     if v.const_value is not None:
         return v.const_value.numpy()
+    low = stored_weight(v)
+    if low is not None:  # Cast(bf16 -> float32) is exact
+        return np.asarray(low.const_value.numpy()).astype(np.float32)
     n = v.producer()
     if n is not None and n.op_type == "Constant" and n.domain == "":
         attr = next(iter(n.attributes.values()))
@@ -81,6 +100,84 @@ def replace_uses(old: ir.Value, new: ir.Value) -> None:
     ir.convenience.replace_all_uses_with(old, new)
 
 
+def weight_like(model: ir.Model, like: ir.Value | None, arr: np.ndarray, what: str) -> ir.Value:
+    """A float32 weight derived from `like` (a transpose, split, ...) as a new initializer named by content, so
+    prefill and decode share it. When `like` is a low-precision stored weight (Cast(bf16/fp16 initializer)), the
+    new weight is stored in that dtype too (exact: its values came from it) and read through a Cast to float32."""
+    g = model.graph
+    arr = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))
+    low = stored_weight(like)
+    digest = hashlib.sha1(arr.tobytes()).hexdigest()[:16]
+    if low is None:
+        name = f"kimi.{what}.{digest}"
+        if name not in g.initializers:
+            g.register_initializer(ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.FLOAT),
+                                            const_value=ir.tensor(arr, name=name)))
+        return g.initializers[name]
+    dt = low.const_value.dtype
+    name = f"kimi.{what}.{digest}.{dt.name.lower()}"
+    if name not in g.initializers:
+        stored = arr.astype(low.const_value.numpy().dtype)
+        assert np.array_equal(stored.astype(np.float32), arr), f"{what}: derived weight is not exact in {dt.name}"
+        v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(dt), const_value=ir.tensor(stored, name=name))
+        v.metadata_props.update(low.metadata_props)
+        g.register_initializer(v)
+    v = g.initializers[name]
+    for u in v.uses():
+        if u.node.op_type == "Cast" and u.node.graph is g:
+            return u.node.outputs[0]
+    cast = ir.node("Cast", [v], attributes={"to": ir.DataType.FLOAT}, name=f"{name}.cast")
+    cast.metadata_props["kimi.rule"] = "quantize.projection_weight"
+    cast.outputs[0].name = f"{name}.f32"
+    cast.outputs[0].dtype, cast.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(arr.shape)
+    first = next(iter(g), None)
+    if first is None:
+        g.append(cast)
+    else:
+        g.insert_before(first, cast)
+    return cast.outputs[0]
+
+
+def quantized_read(v: ir.Value | None) -> dict | None:
+    """The read of a quantized cache part, as emitted by `quantize`, else None:
+        v = kimi.DequantizeMX|DequantizeFP8Tile(Cast(Gather(TABLE, Cast(PagedGather(P, bt), INT32)), to=FLOAT8),
+                                                PagedGather(P.scale, bt))
+    -> dict(kind "mx"|"tile", pool=P, scale_pool=P.scale, bt, block, elem "e4m3"|"e5m2")."""
+    from kimi_compile.passes.quantize import _ELEM_BY_TYPE, code_table
+
+    n = v.producer() if v is not None else None
+    if n is None or n.domain != DOMAIN or n.op_type not in ("DequantizeMX", "DequantizeFP8Tile"):
+        return None
+    c8 = n.inputs[0].producer()
+    if c8 is None or c8.op_type != "Cast" or c8.domain != "" or attr(c8, "to") not in _ELEM_BY_TYPE:
+        return None
+    elem = _ELEM_BY_TYPE[attr(c8, "to")]
+    gat = c8.inputs[0].producer()
+    if gat is None or gat.op_type != "Gather" or gat.domain != "" or attr(gat, "axis", 0) != 0:
+        return None
+    table = const(gat.inputs[0])
+    if table is None or table.shape != (256,) or not np.array_equal(table, code_table(elem), equal_nan=True):
+        return None
+    ci = gat.inputs[1].producer()
+    if ci is None or ci.op_type != "Cast" or attr(ci, "to") != ir.DataType.INT32:
+        return None
+    pg, sg = ci.inputs[0].producer(), n.inputs[1].producer()
+    if any(x is None or x.op_type != "PagedGather" or x.domain != DOMAIN for x in (pg, sg)) or \
+            pg.inputs[1] is not sg.inputs[1]:
+        return None
+    kind = "mx" if n.op_type == "DequantizeMX" else "tile"
+    block = int(attr(n, "block" if kind == "mx" else "tile", 32 if kind == "mx" else 128))
+    return dict(kind=kind, pool=pg.inputs[0], scale_pool=sg.inputs[0], bt=pg.inputs[1], block=block, elem=elem)
+
+
+def attach_overload(model: ir.Model, proto: onnx.FunctionProto) -> None:
+    """Attach a function body variant (an ONNX function overload, picked by `node.overload`)."""
+    key = (proto.domain, proto.name, proto.overload)
+    if key not in model.functions:
+        fn = ir.serde.deserialize_function(proto)
+        model.functions[fn.identifier()] = fn
+
+
 class Builder:
     """Inserts new nodes before an anchor, in order."""
 
@@ -89,9 +186,10 @@ class Builder:
         self.nodes: list[ir.Node] = []
 
     def op(self, op_type: str, inputs: Sequence[ir.Value | None], attributes: dict | None = None,
-           domain: str = "", num_outputs: int = 1, name: str | None = None) -> ir.Value | Sequence[ir.Value]:
+           domain: str = "", num_outputs: int = 1, name: str | None = None,
+           overload: str = "") -> ir.Value | Sequence[ir.Value]:
         node = ir.node(op_type, list(inputs), attributes=attributes or {}, domain=domain, num_outputs=num_outputs,
-                       name=name)
+                       name=name, overload=overload)
         if domain == DOMAIN:
             node.metadata_props["kimi.rule"] = self.rule
         for key in ("namespace", "pkg.torch.onnx.class_hierarchy"):  # keep the layer attribution (coverage)
@@ -104,6 +202,17 @@ class Builder:
     def const(self, array: Any, dtype: Any = None) -> ir.Value:
         arr = np.asarray(array, dtype=dtype)
         return self.op("Constant", [], {"value": ir.tensor(arr)})
+
+
+def _topologically_sorted(graph: ir.Graph) -> bool:
+    seen: set[int] = set()
+    for node in graph:
+        for v in node.inputs:
+            p = v.producer() if v is not None else None
+            if p is not None and p.graph is graph and id(p) not in seen:
+                return False
+        seen.add(id(node))
+    return True
 
 
 class FusionPass(KimiPass):
@@ -155,6 +264,8 @@ class FusionPass(KimiPass):
         if found:
             self.rewrite_all(model, found)
         common.RemoveUnusedNodesPass()(model)
+        if matches and not _topologically_sorted(model.graph):  # a fused op may read a weight Cast placed later
+            model.graph.sort()
         if matches:
             from kimi_compile.functions import attach_functions
 
@@ -165,5 +276,5 @@ class FusionPass(KimiPass):
         return matches > 0
 
 
-__all__ = ["Builder", "FusionPass", "Refuse", "attr", "const", "consumers", "is_graph_input", "producer",
-           "replace_uses", "sole_consumer", "onnx"]
+__all__ = ["Builder", "FusionPass", "Refuse", "attach_overload", "attr", "const", "consumers", "is_graph_input",
+           "producer", "quantized_read", "replace_uses", "sole_consumer", "stored_weight", "weight_like", "onnx"]

@@ -16,23 +16,12 @@ no_following_norm.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer
-
-
-def _initializer(model: ir.Model, arr: np.ndarray, what: str) -> ir.Value:
-    arr = np.ascontiguousarray(arr.astype(np.float32))
-    name = f"kimi.{what}.{hashlib.sha1(arr.tobytes()).hexdigest()[:16]}"
-    if name not in model.graph.initializers:
-        model.graph.register_initializer(ir.Value(name=name, shape=ir.Shape(arr.shape),
-                                                  type=ir.TensorType(ir.DataType.FLOAT),
-                                                  const_value=ir.tensor(arr, name=name)))
-    return model.graph.initializers[name]
+from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer, weight_like
 
 
 class FuseAttnResPass(FusionPass):
@@ -99,11 +88,11 @@ class FuseAttnResPass(FusionPass):
             b = Builder(model.graph, first["cat"], self.rule)
             ax0 = b.const([0], np.int64)
             bank = b.op("Concat", [b.op("Unsqueeze", [v, ax0]) for v in first["bank"]], {"axis": 0})
-            queries = _initializer(model, np.stack([m["w"] for m in group]), "attn_res_queries")
+            queries = weight_like(model, None, np.stack([m["w"] for m in group]), "attn_res_queries")
             o1, m1, l1 = b.op("AttnResStage1", [bank, queries], {"eps": first["eps"]}, domain=DOMAIN, num_outputs=3)
             for slot, m in enumerate(group):
                 nb = Builder(model.graph, m["norm"], self.rule)
-                q = _initializer(model, m["w"], "attn_res_query")
+                q = weight_like(model, None, m["w"], "attn_res_query")
                 out = nb.op("AttnResMerge", [o1, m1, l1, m["partial"], q, m["norm"].inputs[1]],
                             {"slot": slot, "eps": m["eps"], "norm_eps": float(attr(m["norm"], "epsilon", 1e-5))},
                             domain=DOMAIN)

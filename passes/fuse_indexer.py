@@ -6,8 +6,12 @@
         raw   = ReduceSum[axes=2](Mul(r, Unsqueeze[-1](w)))
         score = Where(Not(allowed), -1e30, raw)          allowed = And(s <= start+t, s < start+lengths)
         _, idx = TopK[k](Concat(score, Expand(-1e30)))   valid = GatherElements(Concat(allowed, 0), idx)
+        (quantized index-K cache, from `quantize`: keys = kimi.DequantizeMX(bits_fp8(kimi.PagedGather(index_pool,
+         block_table)), kimi.PagedGather(index_pool.scale, block_table)), q = kimi.QDQMX(q_I))
     after:
         indices, scores = kimi.IndexerTopK[topk=k](q, w, index_pool, block_table, start, lengths)
+        (quantized: kimi.IndexerTopK[topk, k_format=mxfp8, block, elem](..., index_pool.scale), overload
+         mxfp8_<elem>: the op reads the code and scale pools and dequantizes the gathered rows itself)
         valid = indices >= 0;  idx = Where(valid, indices, S)      (for the consumers that remain)
 
 Refusals (counted as `refused.<reason>`): non_constant_k, no_padded_score_row, no_mask, mask_fill, non_causal_mask,
@@ -23,7 +27,10 @@ import numpy as np
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, is_graph_input, producer
+from kimi_compile.plugins.indexer_topk import function as indexer_function
+from kimi_compile.plugins.indexer_topk import overload_name
+from kimi_compile.rewrite import (Builder, FusionPass, Refuse, attach_overload, attr, const, consumers, is_graph_input,
+                                  producer, quantized_read)
 
 
 def causal_inputs(graph: ir.Graph, allowed: ir.Value) -> tuple[ir.Value, ir.Value]:
@@ -98,17 +105,29 @@ class FuseIndexerPass(FusionPass):
         if attr(ein, "equation").replace(" ", "") != "bthd,bsd->bths":
             raise Refuse("score_equation", attr(ein, "equation"))
         q, keys = ein.inputs
-        gather = producer(keys, "PagedGather", "keys_not_paged", domain=DOMAIN)
-        pool, bt = gather.inputs
+        quant = quantized_read(keys)
+        if quant is not None:
+            if quant["kind"] != "mx":
+                raise Refuse("keys_not_paged", "index keys are quantized in a format other than mxfp8")
+            pool, bt = quant["pool"], quant["bt"]
+        else:
+            gather = producer(keys, "PagedGather", "keys_not_paged", domain=DOMAIN)
+            pool, bt = gather.inputs
         if int(np.ravel(k)[0]) <= 0:
             raise Refuse("non_constant_k", "k must be positive")
         return dict(k=int(np.ravel(k)[0]), q=q, w=unsq.inputs[0], pool=pool, bt=bt, start=start, lengths=lengths,
-                    allowed=allowed)
+                    allowed=allowed, quant=quant)
 
     def rewrite(self, model, topk, m):
         b = Builder(model.graph, topk, self.rule)
-        indices, scores = b.op("IndexerTopK", [m["q"], m["w"], m["pool"], m["bt"], m["start"], m["lengths"]],
-                               {"topk": m["k"]}, domain=DOMAIN, num_outputs=2)
+        inputs, attrs, overload = [m["q"], m["w"], m["pool"], m["bt"], m["start"], m["lengths"]], {"topk": m["k"]}, ""
+        q = m["quant"]
+        if q is not None:
+            inputs.append(q["scale_pool"])
+            attrs.update(k_format="mxfp8", block=q["block"], elem=q["elem"])
+            overload = overload_name("mxfp8", q["elem"])
+            attach_overload(model, indexer_function("mxfp8", q["elem"]))
+        indices, scores = b.op("IndexerTopK", inputs, attrs, domain=DOMAIN, num_outputs=2, overload=overload)
         valid = b.op("GreaterOrEqual", [indices, b.const(0, np.int64)])
         mb = b.op("Shape", [m["bt"]], {"start": 1, "end": 2})
         bs = b.op("Shape", [m["pool"]], {"start": 1, "end": 2})

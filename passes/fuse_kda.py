@@ -23,13 +23,22 @@ beta_form, no_output_norm, no_output_gate, no_output_proj.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer, sole_consumer
+from kimi_compile.rewrite import (
+    Builder,
+    FusionPass,
+    Refuse,
+    attr,
+    const,
+    consumers,
+    producer,
+    sole_consumer,
+    weight_like,
+)
 
 
 def _through(v: ir.Value, *ops: str) -> ir.Value:
@@ -152,18 +161,6 @@ def _masked(v: ir.Value, graph: ir.Graph) -> tuple[ir.Value, ir.Value]:
         except Refuse as e:
             last = e
     raise last
-
-
-def _weight(model: ir.Model, arr: np.ndarray, what: str) -> ir.Value:
-    """A new initializer named by content, so prefill and decode share it in the artifact."""
-    arr = np.ascontiguousarray(arr.astype(np.float32))
-    name = f"kimi.{what}.{hashlib.sha1(arr.tobytes()).hexdigest()[:16]}"
-    if name in model.graph.initializers:
-        return model.graph.initializers[name]
-    v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                 const_value=ir.tensor(arr, name=name))
-    model.graph.register_initializer(v)
-    return v
 
 
 def take_over(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
@@ -292,7 +289,7 @@ class FuseKDAPass(FusionPass):
 
     def rewrite(self, model, rec, m):
         b = Builder(model.graph, rec, self.rule)
-        a_log = m["A_log"][0] if m["A_log"][1] is None else _weight(model, m["A_log"][1], "A_log")
+        a_log = m["A_log"][0] if m["A_log"][1] is None else weight_like(model, None, m["A_log"][1], "A_log")
         out, new_conv, new_state = b.op(
             "KDA", [m["x"], m["conv_state"], m["state"], m["lengths"], *m["w_qkv"], *m["conv_w"], m["w_f_a"],
                     m["w_f_b"], m["w_b"], m["w_g"], a_log, m["dt_bias"], m["o_norm"], m["w_o"]],

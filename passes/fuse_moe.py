@@ -26,8 +26,9 @@ import numpy as np
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.passes.fuse_kda import _binary_const, _scalar, _weight
-from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer, sole_consumer
+from kimi_compile.passes.fuse_kda import _binary_const, _scalar
+from kimi_compile.rewrite import (Builder, FusionPass, Refuse, attr, const, consumers, producer, sole_consumer,
+                                  weight_like)
 
 
 def _eq(n: ir.Node) -> str:
@@ -45,7 +46,7 @@ def _linear(model: ir.Model, v: ir.Value, reason: str) -> tuple[ir.Value, ir.Val
             raise Refuse(reason, f"{n.name!r} is not a plain x @ w^T")
         if attr(n, "transB", 0):
             return n.inputs[0], n.inputs[1]
-    return n.inputs[0], _weight(model, w.T, "linear")
+    return n.inputs[0], weight_like(model, n.inputs[1], w.T, "linear")  # a bf16-stored weight stays bf16
 
 
 def _pick(n: ir.Node, op_type: str) -> tuple[ir.Value, ir.Node] | None:

@@ -13,6 +13,11 @@
     after (both):
         o = kimi.SparseMLA[scale, kv_lora_rank](q_nope, q_pe, kv_pool, block_table, indices, w_uk, w_uv)
     where `indices` is the output of kimi.IndexerTopK (run fuse_indexer first).
+    quantized latent cache (from `quantize`): keys = Concat(deq(kv_pool, kv_pool.scale), rope, axis=-1) with
+    deq = kimi.DequantizeMX|DequantizeFP8Tile(bits_fp8(PagedGather(codes, bt)), PagedGather(scales, bt)) and rope
+    = PagedGather(kv_pool.rope, bt) [Cast] or deq(kv_pool.rope, kv_pool.rope.scale) ->
+        o = kimi.SparseMLA[..., kv_format, tile, rope_format, rope_tile, elem](..., w_uv, kv_pool.scale, kv_pool.rope,
+            kv_pool.rope.scale | "")    (overload: it gathers the selected rows of each pool and dequantizes them)
 
 Refusals: no_mask, mask_fill, no_scale, no_score_sum, score_equation, not_indexed, keys_not_paged,
 weights_not_constant, no_output_projection.
@@ -21,13 +26,15 @@ weights_not_constant, no_output_projection.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer
+from kimi_compile.plugins.sparse_mla import function as sparse_mla_function
+from kimi_compile.plugins.sparse_mla import overload_name
+from kimi_compile.rewrite import (Builder, FusionPass, Refuse, attach_overload, attr, const, consumers, producer,
+                                  quantized_read, weight_like)
 
 
 def _eq(n: ir.Node) -> str:
@@ -56,16 +63,45 @@ def _slice_bounds(n: ir.Node) -> tuple[int, int]:
     return int(np.ravel(s)[0]), int(np.ravel(e)[0])
 
 
-def _weight(model: ir.Model, arr: np.ndarray, what: str) -> ir.Value:
-    """A new initializer named by content, so prefill and decode share it in the artifact."""
-    arr = np.ascontiguousarray(arr.astype(np.float32))
-    name = f"kimi.{what}.{hashlib.sha1(arr.tobytes()).hexdigest()[:16]}"
-    if name in model.graph.initializers:
-        return model.graph.initializers[name]
-    v = ir.Value(name=name, shape=ir.Shape(arr.shape), type=ir.TensorType(ir.DataType.FLOAT),
-                 const_value=ir.tensor(arr, name=name))
-    model.graph.register_initializer(v)
-    return v
+_FMT = {"mx": "mxfp8", "tile": "fp8_tile"}
+
+
+def _static_last(v: ir.Value) -> int | None:
+    d = v.shape[-1] if v.shape is not None and len(v.shape) else None
+    return d if isinstance(d, int) else None
+
+
+def _quantized_keys(keys: ir.Value, R: int) -> dict | None:
+    """keys = Concat[-1](quantized latent read, rope read) (see the module docstring) -> the pools and formats;
+    None when the keys are not a concat of a quantized read; Refuse(keys_not_paged) on a partial match."""
+    cat = keys.producer()
+    if cat is None or cat.op_type != "Concat" or cat.domain != "" or len(cat.inputs) != 2:
+        return None
+    lat = quantized_read(cat.inputs[0])
+    if lat is None:
+        return None
+    if attr(cat, "axis") not in (-1, 3) and not (attr(cat, "axis") == 2 and len(keys.shape or ()) == 3):
+        raise Refuse("keys_not_paged", "latent and RoPE parts are not concatenated on the last axis")
+    if _static_last(lat["pool"]) != R:
+        raise Refuse("keys_not_paged", f"quantized latent has {_static_last(lat['pool'])} dims, expected {R}")
+    m = dict(pool=lat["pool"], bt=lat["bt"], scale_pool=lat["scale_pool"], kv_format=_FMT[lat["kind"]],
+             tile=lat["block"], elem=lat["elem"], rope_scale_pool=None, rope_tile=lat["block"])
+    rope = quantized_read(cat.inputs[1])
+    if rope is not None:
+        if rope["elem"] != lat["elem"]:
+            raise Refuse("keys_not_paged", "latent and RoPE parts use different FP8 elements")
+        m.update(rope_pool=rope["pool"], rope_scale_pool=rope["scale_pool"], rope_format=_FMT[rope["kind"]],
+                 rope_tile=rope["block"], rope_bt=rope["bt"])
+    else:
+        v = cat.inputs[1]
+        c = v.producer()
+        if c is not None and c.op_type == "Cast" and c.domain == "" and attr(c, "to") == ir.DataType.FLOAT:
+            v = c.inputs[0]
+        g = producer(v, "PagedGather", "keys_not_paged", domain=DOMAIN)
+        m.update(rope_pool=g.inputs[0], rope_format="float", rope_bt=g.inputs[1])
+    if m.pop("rope_bt") is not m["bt"]:
+        raise Refuse("keys_not_paged", "latent and RoPE parts are read through different block tables")
+    return m
 
 
 class FuseSparseMLAPass(FusionPass):
@@ -134,7 +170,8 @@ class FuseSparseMLAPass(FusionPass):
             c_slice = producer(mm.inputs[0], "Slice", "score_equation")
             m["R"] = _slice_bounds(c_slice)[1]
             keys = c_slice.inputs[0]
-            w = const(mm.inputs[1])  # [R, H*(dn+dv)]
+            w_v = mm.inputs[1]
+            w = const(w_v)  # [R, H*(dn+dv)]
             if w is None:
                 raise Refuse("weights_not_constant")
             H = int(e1.inputs[0].shape[2]) if e1.inputs[0].shape is not None and isinstance(
@@ -142,7 +179,7 @@ class FuseSparseMLAPass(FusionPass):
             if H is None:
                 raise Refuse("score_equation", "unknown head count")
             wt = w.T.reshape(H, -1, m["R"])
-            m.update(w_uk=wt[:, :dn], w_uv=wt[:, dn:])
+            m.update(w_uk=wt[:, :dn], w_uv=wt[:, dn:], w_like=w_v)
             andn = producer(mask, "And", "not_indexed")
             sl = producer(andn.inputs[0], "Slice", "not_indexed")
             sc = producer(sl.inputs[0], "ScatterElements", "not_indexed")
@@ -152,16 +189,26 @@ class FuseSparseMLAPass(FusionPass):
             m["out"] = pv.outputs[0]
         else:
             raise Refuse("score_equation", f"{_eq(e1)} + {_eq(e2)}")
-        g = producer(keys, "PagedGather", "keys_not_paged", domain=DOMAIN)
-        m["pool"], m["bt"] = g.inputs
+        m["quant"] = _quantized_keys(keys, m["R"])
+        if m["quant"] is None:
+            g = producer(keys, "PagedGather", "keys_not_paged", domain=DOMAIN)
+            m["pool"], m["bt"] = g.inputs
+        else:
+            m["pool"], m["bt"] = m["quant"]["pool"], m["quant"]["bt"]
         return m
 
     def rewrite(self, model, sm, m):
         b = Builder(model.graph, sm, self.rule)
-        w_uk = _weight(model, m["w_uk"], "w_uk")
-        w_uv = _weight(model, m["w_uv"], "w_uv")
-        o = b.op("SparseMLA", [m["q_nope"], m["q_pe"], m["pool"], m["bt"], m["indices"], w_uk, w_uv],
-                 {"scale": m["scale"], "kv_lora_rank": m["R"]}, domain=DOMAIN)
+        w_uk = weight_like(model, m.get("w_like"), m["w_uk"], "w_uk")
+        w_uv = weight_like(model, m.get("w_like"), m["w_uv"], "w_uv")
+        inputs = [m["q_nope"], m["q_pe"], m["pool"], m["bt"], m["indices"], w_uk, w_uv]
+        attrs, overload, q = {"scale": m["scale"], "kv_lora_rank": m["R"]}, "", m["quant"]
+        if q is not None:
+            inputs += [q["scale_pool"], q["rope_pool"], q["rope_scale_pool"]]
+            attrs.update({k: q[k] for k in ("kv_format", "rope_format", "elem", "tile", "rope_tile")})
+            overload = overload_name(q["kv_format"], q["rope_format"], q["elem"])
+            attach_overload(model, sparse_mla_function(q["kv_format"], q["rope_format"], q["elem"]))
+        o = b.op("SparseMLA", inputs, attrs, domain=DOMAIN, overload=overload)
         ir.convenience.replace_all_uses_with(m["out"], o)
 
 

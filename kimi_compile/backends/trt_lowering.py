@@ -258,10 +258,13 @@ def _plugin_node(node: onnx.NodeProto, low: Plugin) -> onnx.NodeProto:
     return n
 
 
-def _function_body(model: onnx.ModelProto, op: str, node: str) -> onnx.FunctionProto:
+def _function_body(model: onnx.ModelProto, op: str, node: str, overload: str = "") -> onnx.FunctionProto:
+    """The body the node calls: (domain, name, overload) must all match (quantized formats are overloads)."""
     for f in model.functions:
-        if f.domain == ops.DOMAIN and f.name == op:
+        if f.domain == ops.DOMAIN and f.name == op and f.overload == overload:
             return f
+    if overload:
+        raise LoweringError(f"kimi.{op} (node {node!r}): the model has no body for overload {overload!r}")
     o = ops.lookup(op, node=node)
     if o.function is None:
         raise LoweringError(f"kimi.{op} (node {node!r}): lowered natively, but the op has no ONNX function body; "
@@ -298,7 +301,7 @@ def lower_model(model: onnx.ModelProto, flavour: str, registry_has: Callable[[st
                 origin[n.name] = root
                 body = 1
             else:
-                fn = _function_body(m, n.op_type, n.name)
+                fn = _function_body(m, n.op_type, n.name, getattr(n, "overload", ""))
                 for opset in fn.opset_import:
                     have = {o.domain: o.version for o in m.opset_import}
                     if opset.domain in have and have[opset.domain] != opset.version and opset.domain != ops.DOMAIN:

@@ -5,7 +5,10 @@ Inputs   q [B,T,H,D] (index queries), w [B,T,H] (head weights, scales folded in)
          block_table [B,MB] int64, start [B] int64 (tokens cached before this step), lengths [B] int64
 Outputs  indices [B,T,k] int64: the k highest-scoring visible positions per query, ties to the lower position,
          -1 where fewer than k positions are visible; scores [B,T,k] (fp32, -1e30 where invalid)
-Attr     topk (k)
+         index_scale_pool [NB,BS,D/block] uint8 (optional; with k_format mxfp8: one E8M0 byte per block)
+Attrs    topk (k); k_format "float" (index_pool holds float keys) | "mxfp8" (index_pool holds the uint8 bit patterns
+         of FP8 codes, `elem` e4m3 | e5m2, dequantized per gathered row as kimi.DequantizeMX[block]); block (32)
+         A quantized format runs the function overload named by `overload_name(attrs)` ("" for float).
 Score    I[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . K[b,s]),  K = the pool rows of sequence b (position s at block
          block_table[b, s // BS], row s % BS); visible: s <= start[b] + t and s < start[b] + lengths[b].
 """
@@ -66,15 +69,58 @@ def paged_keys_nodes(pool: str, block_table: str, out: str) -> list:
     ]
 
 
-def function():
+def overload_name(k_format: str = "float", elem: str = "e4m3") -> str:
+    return "" if k_format == "float" else f"{k_format}_{elem}"
+
+
+def _ref_int(name: str, attr: str):
+    node = helper.make_node("Constant", [], [name])
+    a = helper.make_attribute("value_int", 0)
+    a.ref_attr_name = attr
+    a.type = AttributeProto.INT
+    node.attribute.append(a)
+    return node
+
+
+def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_attr: str) -> list:
+    """ONNX nodes dequantizing gathered rows exactly as `quantize` reads its pools: uint8 bits -> FP8 codes (table
+    lookup, Cast) -> kimi.DequantizeMX (kind mx, E8M0 scales) | kimi.DequantizeFP8Tile (kind tile, float32 scales)."""
+    from kimi_compile.passes.quantize import _F8, code_table
+
     n = helper.make_node
+    p = out + "_"
+    table = code_table(elem)
+    deq = n("DequantizeMX" if kind == "mx" else "DequantizeFP8Tile", [p + "q", scale], [out], domain=DOMAIN)
+    a = helper.make_attribute("block" if kind == "mx" else "tile", 0)
+    a.ref_attr_name = block_attr
+    a.type = AttributeProto.INT
+    deq.attribute.append(a)
+    return [
+        n("Cast", [codes], [p + "i"], to=TensorProto.INT32),
+        _c(p + "table", table.tolist(), TensorProto.FLOAT, dims=[256]),
+        n("Gather", [p + "table", p + "i"], [p + "v"], axis=0),
+        n("Cast", [p + "v"], [p + "q"], to=int(_F8[elem][0])),
+        deq,
+    ]
+
+
+def function(k_format: str = "float", elem: str = "e4m3"):
+    n = helper.make_node
+    if k_format == "float":
+        keys = paged_keys_nodes("index_pool", "block_table", "keys")
+    elif k_format == "mxfp8":
+        keys = [*paged_keys_nodes("index_pool", "block_table", "kcodes"),
+                *paged_keys_nodes("index_scale_pool", "block_table", "kscale"),
+                *dequant_nodes("kcodes", "kscale", "keys", "mx", elem, "block")]
+    else:
+        raise ValueError(f"kimi.IndexerTopK: k_format must be float or mxfp8, got {k_format!r}")
     k_attr = helper.make_attribute("value_int", 0)
     k_attr.ref_attr_name = "topk"
     k_attr.type = AttributeProto.INT
     k_node = helper.make_node("Constant", [], ["k0"])
     k_node.attribute.append(k_attr)
     nodes = [
-        *paged_keys_nodes("index_pool", "block_table", "keys"),
+        *keys,
         n("Einsum", ["q", "keys"], ["dots"], equation="bthd,bsd->bths"),
         n("Relu", ["dots"], ["relu"]),
         _c("axm1", [-1]), _c("ax2", [2]), _c("ax0", [0]),
@@ -98,17 +144,28 @@ def function():
         n("Where", ["valid", "idx", "minus1"], ["indices"]),
         n("Where", ["valid", "vals", "masked"], ["scores"]),
     ]
-    return helper.make_function(DOMAIN, NAME, ["q", "w", "index_pool", "block_table", "start", "lengths"],
-                                ["indices", "scores"], nodes, [helper.make_opsetid("", ONNX_OPSET)],
-                                attributes=["topk"])
+    if k_format == "float":
+        return helper.make_function(DOMAIN, NAME, ["q", "w", "index_pool", "block_table", "start", "lengths"],
+                                    ["indices", "scores"], nodes, [helper.make_opsetid("", ONNX_OPSET)],
+                                    attributes=["topk"])
+    return helper.make_function(DOMAIN, NAME, ["q", "w", "index_pool", "block_table", "start", "lengths",
+                                               "index_scale_pool"], ["indices", "scores"], nodes,
+                                [helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(DOMAIN, 1)],
+                                attributes=["topk", "k_format", "block", "elem"], overload=overload_name(k_format, elem))
 
 
-def reference(q, w, index_pool, block_table, start, lengths, topk: int):
+def reference(q, w, index_pool, block_table, start, lengths, topk: int = 2048, *, index_scale_pool=None,
+              k_format: str = "float", block: int = 32, elem: str = "e4m3"):
     """numpy reference: loops written from the definition (ties to the lower position)."""
     B, T, H, D = q.shape
     BS = index_pool.shape[1]
     S = block_table.shape[1] * BS
-    keys = index_pool[block_table.reshape(-1)].reshape(B, S, D)
+    pool = index_pool
+    if k_format == "mxfp8":
+        from kimi_compile.plugins.quant.reference import mx_dequantize
+
+        pool = mx_dequantize(index_pool, index_scale_pool, block=block, elem=elem)
+    keys = pool[block_table.reshape(-1)].reshape(B, S, D)
     indices = np.full((B, T, topk), -1, dtype=np.int64)
     scores = np.full((B, T, topk), MASKED, dtype=np.float32)
     for b in range(B):
@@ -131,5 +188,6 @@ def infer(types, attrs):
     return [TensorType(shape, TensorProto.INT64), TensorType(shape, TensorProto.FLOAT)]
 
 
-OP = register(OpDef(NAME, ("q", "w", "index_pool", "block_table", "start", "lengths"), ("indices", "scores"),
-                    {"topk": 2048}, function=function, infer=infer, reference=reference, doc=__doc__))
+OP = register(OpDef(NAME, ("q", "w", "index_pool", "block_table", "start", "lengths", "index_scale_pool"),
+                    ("indices", "scores"), {"topk": 2048, "k_format": "float", "block": 32, "elem": "e4m3"},
+                    function=function, infer=infer, reference=reference, doc=__doc__))

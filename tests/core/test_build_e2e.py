@@ -300,3 +300,20 @@ def test_default_pipeline_fuses_every_layer_kind(built):
         assert h["kimi.AttnResMerge"] == mixes
         assert "TopK" not in h and "ReduceSum" not in h and "Relu" not in h
         assert info["op_coverage"][phase]["total_pct"] > 80
+
+
+def test_quantized_recipe_fuses_and_reads_quantized_pools(tmp_path):
+    """The quant recipe: every fusion still fires (inspect --json), the fused ops read the uint8 code/scale pools
+    (no dequantized cache outside them), and the accuracy report is in the manifest."""
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-quant.yaml"))
+    res = build(recipe, tmp_path / "q", cache=CompileCache(root=tmp_path / "cache"))
+    info = json.loads(CliRunner().invoke(main, ["inspect", str(res.artifact), "--json"]).output)
+    for phase in ("prefill", "decode"):
+        h = info["graphs"][phase]["op_histogram"]
+        assert h["kimi.IndexerTopK"] == h["kimi.SparseMLA"] == 2 and h["kimi.KDA"] == 4 and h["kimi.MoE"] == 5
+        assert not any(k in h for k in ("kimi.PagedGather", "kimi.DequantizeMX", "kimi.DequantizeFP8Tile", "TopK"))
+        ins = {i["name"]: i for i in info["graphs"][phase]["inputs"]}
+        assert ins["index_k.3"]["dtype"] == "UINT8" and "index_k.3.scale" in ins
+    acc = res.manifest["accuracy"]
+    assert acc is not None
+    assert load(res.artifact).generate([[1, 2, 3]], 4, stop_at_eos=False)[0]  # the runtime runs the uint8 pools
