@@ -83,6 +83,23 @@ def ensure_loaded() -> None:
     _LOADED = True
 
 
+def plugin_modules(submodule: str) -> list:
+    """Import `kimi_compile.plugins.<op>.<submodule>` for every plugin folder that has it (e.g. "tensorrt")."""
+    from kimi_compile import plugins
+
+    mods = []
+    for info in pkgutil.iter_modules(plugins.__path__):
+        if not info.ispkg:
+            continue
+        name = f"kimi_compile.plugins.{info.name}.{submodule}"
+        try:
+            mods.append(importlib.import_module(name))
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+    return mods
+
+
 def lookup(name: str, domain: str = DOMAIN, *, node: str | None = None) -> OpDef:
     ensure_loaded()
     op = _REGISTRY.get((domain, name))

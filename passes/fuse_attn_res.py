@@ -15,7 +15,6 @@ no_following_norm.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -29,10 +28,6 @@ class FuseAttnResPass(FusionPass):
     version = 1
     rule = "fuse_attn_res"
     rewrite_each = False
-
-    @dataclasses.dataclass(frozen=True)
-    class Options:
-        debug: bool = False
 
     def anchors(self, model):
         return [n for n in model.graph if n.op_type == "Softmax" and n.domain == "" and attr(n, "axis", -1) == 0]

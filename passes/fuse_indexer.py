@@ -21,7 +21,6 @@ keys_not_paged.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -66,10 +65,6 @@ class FuseIndexerPass(FusionPass):
     name = "fuse_indexer"
     version = 1
     rule = "fuse_indexer"
-
-    @dataclasses.dataclass(frozen=True)
-    class Options:
-        debug: bool = False
 
     def anchors(self, model):
         return [n for n in model.graph if n.op_type == "TopK" and n.domain == ""]

@@ -22,7 +22,6 @@ beta_form, no_output_norm, no_output_gate, no_output_proj.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -178,10 +177,6 @@ class FuseKDAPass(FusionPass):
     name = "fuse_kda"
     version = 1
     rule = "fuse_kda"
-
-    @dataclasses.dataclass(frozen=True)
-    class Options:
-        debug: bool = False
 
     def anchors(self, model):
         return [n for n in model.graph if n.op_type == "KDARecurrence" and n.domain == DOMAIN]

@@ -20,7 +20,6 @@ no_latent_up, no_shared_experts.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -101,10 +100,6 @@ class FuseMoEPass(FusionPass):
     name = "fuse_moe"
     version = 1
     rule = "fuse_moe"
-
-    @dataclasses.dataclass(frozen=True)
-    class Options:
-        debug: bool = False
 
     def anchors(self, model):
         return [n for n in model.graph if n.op_type == "TopK" and n.domain == ""]

@@ -25,7 +25,6 @@ weights_not_constant, no_output_projection.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import onnx_ir as ir
@@ -108,10 +107,6 @@ class FuseSparseMLAPass(FusionPass):
     name = "fuse_sparse_mla"
     version = 1
     rule = "fuse_sparse_mla"
-
-    @dataclasses.dataclass(frozen=True)
-    class Options:
-        debug: bool = False
 
     def anchors(self, model):
         return [n for n in model.graph if n.op_type == "Softmax" and n.domain == "" and attr(n, "axis", -1) in (-1, 3)]

@@ -324,7 +324,7 @@ class QuantizePass(KimiPass):
             gathered = []
             for j, (pname, val, dt, dim, f) in enumerate(stored):
                 if i == 0 and j == 0:  # the original pool, write and gathers are reused
-                    pv, wnode = pool, write
+                    pv = pool
                     pv.type, pv.shape = ir.TensorType(dt), ir.Shape([*pool.shape[:2], dim])
                     write.replace_input_with(2, val)
                     wo = write.outputs[0]

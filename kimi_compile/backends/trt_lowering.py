@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -78,19 +76,9 @@ DEFAULT = Native("no TensorRT lowering in the op's folder: its ONNX function bod
 def lowering_tables() -> dict[str, dict[str, Lowering]]:
     """{op name: {flavour: Lowering}} from every plugins/<op>/tensorrt.py (imported once)."""
     ops.ensure_loaded()
-    from kimi_compile import plugins
-
     out: dict[str, dict[str, Lowering]] = {}
-    for info in pkgutil.iter_modules(plugins.__path__):
-        if not info.ispkg:
-            continue
-        name = f"kimi_compile.plugins.{info.name}.tensorrt"
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
+    for mod in ops.plugin_modules("tensorrt"):
+        name = mod.__name__
         for op, per in getattr(mod, "TENSORRT", {}).items():
             for flavour, low in per.items():
                 if flavour not in FLAVOURS:

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import importlib
 import json
-import pkgutil
 from pathlib import Path
 
 import numpy as np
@@ -81,21 +79,14 @@ def inspect_plan(trt, plan: bytes) -> tuple[dict | None, str | None]:
 
 def register_plugins(trt, required: list[str]) -> list[str]:
     """Call `register(trt)` of every plugins/<op>/tensorrt.py that has one; check the required creators exist."""
-    from kimi_compile import ops, plugins
+    from kimi_compile import ops
 
     ops.ensure_loaded()
     done = []
-    for info in pkgutil.iter_modules(plugins.__path__):
-        name = f"kimi_compile.plugins.{info.name}.tensorrt"
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue
-            raise
+    for mod in ops.plugin_modules("tensorrt"):
         if hasattr(mod, "register"):
             mod.register(trt)
-            done.append(info.name)
+            done.append(mod.__name__.split(".")[-2])
     reg = trt.get_plugin_registry()
     for p in required:
         ns, _, name = p.partition("::")
