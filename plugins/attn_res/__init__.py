@@ -17,18 +17,14 @@ follows the mix:
 from __future__ import annotations
 
 import numpy as np
-from onnx import AttributeProto, TensorProto, helper
+from onnx import TensorProto, helper
 
+from kimi_compile.onnx_body import attr_const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 from kimi_compile.plugins.indexer_topk import _c
 
 
-def _ref(name, attr, kind):
-    node = helper.make_node("Constant", [], [name])
-    a = helper.make_attribute(kind, 0 if kind == "value_int" else 0.0)
-    a.ref_attr_name, a.type = attr, (AttributeProto.INT if kind == "value_int" else AttributeProto.FLOAT)
-    node.attribute.append(a)
-    return node
+_ref = attr_const
 
 
 def _inv_rms(x: str, eps: str, out: str) -> list:

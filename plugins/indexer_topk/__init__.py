@@ -18,15 +18,14 @@ from __future__ import annotations
 import numpy as np
 from onnx import AttributeProto, TensorProto, helper
 
+from kimi_compile.onnx_body import attr_const, const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 
 NAME = "IndexerTopK"
 MASKED = -1e30
 
 
-def _c(name, vals, dtype=TensorProto.INT64, dims=None):
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
-        name, dtype, [len(vals)] if dims is None else dims, vals))
+_c = const
 
 
 def causal_mask_nodes(q: str, keys: str, start: str, lengths: str, out: str) -> list:
@@ -74,12 +73,7 @@ def overload_name(k_format: str = "float", elem: str = "e4m3") -> str:
 
 
 def _ref_int(name: str, attr: str):
-    node = helper.make_node("Constant", [], [name])
-    a = helper.make_attribute("value_int", 0)
-    a.ref_attr_name = attr
-    a.type = AttributeProto.INT
-    node.attribute.append(a)
-    return node
+    return attr_const(name, attr, "value_int")
 
 
 def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_attr: str) -> list:

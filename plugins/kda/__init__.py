@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import AttributeProto, TensorProto, helper
 
+from kimi_compile.onnx_body import attr_const, const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 from kimi_compile.plugins.kda_recurrence import _step_body
 
@@ -34,18 +35,10 @@ OUTPUTS = ("out", "new_conv_state", "new_state")
 ATTRS = {"lower_bound": -5.0, "scale": 1.0, "l2_eps": 1e-6, "eps": 1e-5, "chunk_size": 0}
 
 
-def _c(name, vals, dtype=TensorProto.INT64, dims=None):
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
-        name, dtype, [len(vals)] if dims is None else dims, vals))
+_c = const
 
 
-def _ref_float(name: str, attr: str):
-    """Constant scalar float taken from the function attribute `attr`."""
-    a = helper.make_attribute("value_float", 0.0)
-    a.ref_attr_name, a.type = attr, AttributeProto.FLOAT
-    node = helper.make_node("Constant", [], [name])
-    node.attribute.append(a)
-    return node
+_ref_float = attr_const
 
 
 def function():

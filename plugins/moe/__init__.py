@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import AttributeProto, TensorProto, helper
 
+from kimi_compile.onnx_body import attr_const, const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 
 NAME = "MoE"
@@ -30,19 +31,10 @@ OUTPUTS = ("y",)
 ATTRS = {"top_k": 1, "renormalize": 1, "scaling": 1.0, "situ_beta": 1.0, "situ_linear_beta": 0.0, "eps": 1e-5}
 
 
-def _c(name, vals, dtype=TensorProto.INT64, dims=None):
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(
-        name, dtype, [len(vals)] if dims is None else dims, vals))
+_c = const
 
 
-def _ref(name: str, attr: str, kind: str = "value_float"):
-    """Constant scalar taken from the function attribute `attr`."""
-    a = helper.make_attribute(kind, 0.0 if kind == "value_float" else 0)
-    a.ref_attr_name = attr
-    a.type = AttributeProto.FLOAT if kind == "value_float" else AttributeProto.INT
-    node = helper.make_node("Constant", [], [name])
-    node.attribute.append(a)
-    return node
+_ref = attr_const
 
 
 def situ_nodes(up: str, gate: str, out: str) -> list:

@@ -20,21 +20,16 @@ Math     q_lat = q_nope . w_uk;  s_j = (q_lat . c_j + q_pe . pe_j) * scale over 
 from __future__ import annotations
 
 import numpy as np
-from onnx import AttributeProto, TensorProto, helper
+from onnx import TensorProto, helper
 
+from kimi_compile.onnx_body import attr_const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 from kimi_compile.plugins.indexer_topk import MASKED, _c, dequant_nodes, paged_keys_nodes
 
 NAME = "SparseMLA"
 
 
-def _ref_const(name: str, attr: str, kind: str):
-    node = helper.make_node("Constant", [], [name])
-    a = helper.make_attribute(kind, 0 if kind == "value_int" else 0.0)
-    a.ref_attr_name = attr
-    a.type = AttributeProto.INT if kind == "value_int" else AttributeProto.FLOAT
-    node.attribute.append(a)
-    return node
+_ref_const = attr_const
 
 
 _KIND = {"mxfp8": "mx", "fp8_tile": "tile"}
