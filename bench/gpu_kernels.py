@@ -132,6 +132,10 @@ def floors():
     t = bench(lambda: a @ b, reps=20, graph=False, flush=False)
     FLOOR["bf16_TFLOPs"] = 2 * n ** 3 / (t["median_us"] * 1e-6) / 1e12
     log(f"floors: copy {FLOOR['copy_GBps']:.0f} GB/s (read+write), bf16 matmul {FLOOR['bf16_TFLOPs']:.0f} TFLOP/s")
+    tiny = torch.zeros(1, device=DEV)
+    t = bench(lambda: tiny.add_(1), reps=30, graph=True, flush=True)
+    FLOOR["launch_us"] = t["median_us"]
+    log(f"floors: one tiny kernel, graph replay after the L2 flush: {t['median_us']:.1f} us (launch + timing overhead)")
 
 
 # ------------------------------------------------------------------ indexer
@@ -172,26 +176,30 @@ def indexer_section(args):
         full_cpu = full.cpu()
         del full
         lens = [int(x) for x in cl.cpu()]
-        cfgs = [("v1", 64, 4, 2, 4)] + [("v2", bn, nw, ns, pps) for bn, nw, ns, pps in
-                                         ((128, 4, 1, 4), (128, 4, 2, 4), (64, 4, 1, 4), (128, 8, 1, 2),
-                                          (64, 4, 1, 8), (128, 4, 1, 2), (128, 4, 1, 8), (256, 8, 1, 2),
-                                          (256, 8, 1, 1))]
-        for impl, bn, nw, ns, pps in cfgs:
-            var = f"triton {impl} bn={bn} warps={nw} stages={ns} progs/SM={pps}"
+        cfgs = [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2)]
+        if not args.quick:
+            cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
+                     dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
+        cfgs += [dict(impl="v3", tma=tma, num_warps=4, num_stages=2, progs_per_sm=pps, select=sel, cand_warps=cw,
+                      final_warps=fw)
+                 for tma, pps, sel, cw, fw in ((True, 4, "bisect", 4, 8), (True, 4, "bisect", 8, 8),
+                                               (True, 4, "bisect", 4, 4), (True, 4, "bisect", 8, 16),
+                                               (False, 4, "bisect", 4, 8), (True, 8, "bisect", 4, 8),
+                                               (True, 4, "radix", 4, 8))]
+        for cfg in cfgs:
+            var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
                 oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
                 os_ = torch.full((B, topk), float("nan"), device=DEV)
                 for _ in range(2):  # twice: the self-cleaning workspace must be reusable
                     oi.fill_(-7)
                     os_.fill_(float("nan"))
-                    itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw, out=(oi, os_),
-                                            impl=impl, num_stages=ns, progs_per_sm=pps)
+                    itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, out=(oi, os_), **cfg)
                 torch.cuda.synchronize()
                 chk = iref.check_topk(oi, os_, full_cpu, lens, topk)
             except Exception as e:
                 chk = {"ok": False, "error": str(e)[:300]}
-            fn = lambda bn=bn, nw=nw, impl=impl, ns=ns, pps=pps: itk.indexer_topk_decode(
-                q, w, codes, scales, bt, cl, topk, bn=bn, num_warps=nw, impl=impl, num_stages=ns, progs_per_sm=pps)
+            fn = lambda cfg=cfg: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, **cfg)
             record("indexer", case, var, shape, bytes_, flops, fn, check=chk, reps=args.reps)
         if True:
             cap = bt.shape[1] * bs
@@ -209,6 +217,26 @@ def indexer_section(args):
                                                                G=G, num_warps=nw, num_stages=1)
             record("indexer", case, "triton v2 score kernel only (bn=128 warps=4)", shape, bytes_, flops,
                    score2_only, reps=args.reps, note="stage timing: scores + group maxima, no selection")
+
+            def score3_only(tma=True, nw=4, ns=2, pps=4, one_dot=False):
+                G = itk._group_size(cap, topk, bs)
+                npg = cap // bs
+                ngcap = npg * (bs // G)
+                sc, gm = itk._WS3[(str(q.device), B, cap, ngcap)][:2]
+                kd = None
+                if tma:
+                    from triton.tools.tensor_descriptor import TensorDescriptor
+                    kd = TensorDescriptor.from_tensor(codes.view(-1, D).view(torch.float8_e4m3fn), [bs, 32])
+                want = max(1, pps * torch.cuda.get_device_properties(0).multi_processor_count // B)
+                ppp = max(1, (npg + want - 1) // want)
+                itk._score3_kernel[(B, (npg + ppp - 1) // ppp)](q, w.float(), codes, kd, scales.view(torch.int32), bt, rs, cl, sc, gm,
+                                                                bt.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=ns,
+                                                                TMA=tma, ONE_DOT=one_dot,
+                                                                PPB=1 << (ppp - 1).bit_length(), num_warps=nw)
+            for od in (False, True):
+                record("indexer", case, f"triton v3 score kernel only (tma warps=4 stages=2 progs/SM=4 one_dot={od})",
+                       shape, bytes_, flops, lambda od=od: score3_only(one_dot=od), reps=args.reps,
+                       note="stage timing: scores + group maxima, no selection")
         eager = lambda: iref.indexer_topk_decode_eager(q, w, codes, scales, bt, cl, topk, max_context_len=L)
         ei, ev = eager()
         echk = iref.check_topk(ei, ev.double(), full_cpu, lens, topk, rtol=1e-2)
@@ -227,6 +255,8 @@ def indexer_section(args):
         del codes, scales
         torch.cuda.empty_cache()
         flush_json(args)
+    if args.skip_prefill:
+        return
     # prefill (functional path: one row per query token), one size
     T, start = 4096, 0
     bt, nb = _paged_random(1, T, bs)
@@ -270,26 +300,27 @@ def mla_section(args):
         ref = torch.bmm(torch.softmax(s * sm, -1), ck)
         del rows, ck, kp, s
         if B > 1:
-            cfgs = [("v1", 2, 64, 4, 8, 1), ("v3", None, 32, 4, 8, 1), ("v3", None, 64, 4, 8, 1),
-                    ("v3", 4, 32, 4, 8, 1), ("v3", None, 32, 4, 4, 1), ("v3", None, 32, 4, 8, 2)]
+            cfgs = [dict(impl="v1", nsplit=2, bn=64, nacc=4, num_warps=8, num_stages=1)]
+            cfgs += [dict(impl="v4", bn=32, nacc=4, bh=64, num_warps=8, num_stages=2, qloop=True, progs_per_sm=1)]
         else:
-            cfgs = [("v1", None, 64, 2, 8, 1), ("v3", None, 32, 4, 8, 1), ("v3", 16, 64, 4, 8, 1),
-                    ("v3", 32, 32, 4, 8, 1), ("v3", 16, 32, 4, 4, 1), ("v3", 64, 32, 4, 4, 1)]
-        for impl, nsplit, bn, nacc, nw, ns in cfgs:
-            var = f"triton {impl} nsplit={nsplit or 'auto'} bn={bn} nacc={nacc} warps={nw} stages={ns}"
+            cfgs = [dict(impl="v1", nsplit=None, bn=64, nacc=2, num_warps=8, num_stages=1)]
+            cfgs += [dict(impl="v4", nsplit=ns_, bn=bn, nacc=nacc, bh=bh, num_warps=nw, num_stages=st, fused=fu)
+                     for ns_, bn, nacc, bh, nw, st, fu in ((32, 64, 2, 64, 8, 2, False), (32, 64, 4, 32, 4, 2, False),
+                                                           (32, 64, 2, 64, 8, 2, True))]
+        for cfg in cfgs:
+            var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
                 out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
-                mtk.sparse_mla_decode(q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw, out=out,
-                                      impl=impl, num_stages=ns)
+                for _ in range(2):
+                    out.fill_(float("nan"))
+                    mtk.sparse_mla_decode(q, cache, bt, idx, sm, out=out, **cfg)
                 torch.cuda.synchronize()
                 err = rel(out, ref)
                 chk = {"ok": bool(err < 1e-2) and not bool(out.isnan().any()), "rel_err": err}
             except Exception as e:
                 chk = {"ok": False, "error": str(e)[:300]}
             record("sparse_mla", case, var, shape, bytes_, flops,
-                   lambda nsplit=nsplit, bn=bn, nacc=nacc, nw=nw, impl=impl, ns=ns: mtk.sparse_mla_decode(
-                       q, cache, bt, idx, sm, nsplit=nsplit, bn=bn, nacc=nacc, num_warps=nw, impl=impl, num_stages=ns),
-                   check=chk, reps=args.reps)
+                   lambda cfg=cfg: mtk.sparse_mla_decode(q, cache, bt, idx, sm, **cfg), check=chk, reps=args.reps)
         eager = lambda: mref.sparse_mla_decode_eager(q, cache, bt, idx, sm)
         echk = {"rel_err": rel(eager(), ref)}
         record("sparse_mla", case, "eager gather+attention bf16", shape, bytes_, flops, eager, graph=False,
@@ -303,6 +334,8 @@ def mla_section(args):
         del cache
         torch.cuda.empty_cache()
         flush_json(args)
+    if args.skip_prefill:
+        return
     # prefill: per query token its own set
     T, L = 1024, 8192
     bt, nb = _paged_random(1, L, bs)
@@ -498,6 +531,8 @@ def main():
     ap.add_argument("--sections", default="floors,indexer,mla,kda_decode,quant,kda_prefill")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="fewer baseline variants (new kernels + best previous)")
+    ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
     args = ap.parse_args()
     import triton
     RESULTS.update({

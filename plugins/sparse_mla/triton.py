@@ -7,6 +7,12 @@ of dequantizing, folds the per-tile fp32 scale into the math: S = q_pe.k_pe + su
 acc_t += (P * s_t) @ c_t, so the tensor cores see raw codes. Online softmax in base 2 (fp32). With one split the
 program writes bf16 output directly; otherwise partial (out, lse) go to a workspace and `_combine_kernel` merges them.
 Prefill is the same kernel with one row per query token (each its own selected set) and one block-table row.
+
+impl "v1" is the default. v2/v3 (tile dequantized to bf16, single wide dots) and v4 (v1's math with 16/32/64 heads per
+program, 1/2/4 value tiles per program, tl.range pipelining, per-tile q reload, optional merge in the last program)
+are kept for the bench; all measured slower than v1 on the H200 (bench/results/gpu_kernels_2026-12-02_v3.json): the
+8-warp programs sit at 255 registers with spills (ncu: bench/results/ncu_indexer_mla_2026-12-02.json), and a merge
+done by one program reads every split's partial alone (94 us at B=1).
 """
 
 from __future__ import annotations
@@ -246,6 +252,168 @@ if triton is not None:
         tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o * wgt[:, None], 0).to(tl.bfloat16))
 
 
+    # ------------------------------------------------------------------ v4: split-K, pipelined, fused combine
+    @triton.jit
+    def _sparse_mla_v4_kernel(Q, KV8, KV32, KV16, BT, ROW_SEQ, IDX, O, OPART, LSE, ARR, qk_scale_log2,
+                              stride_bt, topk, per_split,
+                              BS: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+                              NACC: tl.constexpr, NSPLIT: tl.constexpr, NS: tl.constexpr, QLOOP: tl.constexpr,
+                              FUSED: tl.constexpr, NSP2: tl.constexpr):
+        # v1's math (raw E4M3 codes into the tensor cores, tile scales folded into S and P) with: BH in {16, 32,
+        # 64} heads per program (mma.sync below 64), NACC value tiles of 128 per program (4 // NACC value parts
+        # in the grid, each recomputing S), q held in registers or re-read per tile (QLOOP: fewer registers),
+        # the gather loop software-pipelined by tl.range, and with FUSED the split merge done by the last
+        # program of each (row, head block, value part) to arrive (acq_rel counter): no second launch.
+        NDV: tl.constexpr = 4 // NACC
+        r = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2) // NDV
+        pdv = tl.program_id(2) % NDV
+        seq = tl.load(ROW_SEQ + r).to(tl.int64)
+        hh = hb * BH + tl.arange(0, BH)
+        d = tl.arange(0, 128)
+        de = tl.arange(0, 64)
+        qrow = Q + (r.to(tl.int64) * H + hh[:, None]) * 576
+        if not QLOOP:
+            q0 = tl.load(qrow + d[None, :])
+            q1 = tl.load(qrow + 128 + d[None, :])
+            q2 = tl.load(qrow + 256 + d[None, :])
+            q3 = tl.load(qrow + 384 + d[None, :])
+            qe = tl.load(qrow + 512 + de[None, :])
+        m_i = tl.full([BH], float("-inf"), tl.float32)
+        l_i = tl.zeros([BH], tl.float32)
+        acc0 = tl.zeros([BH, 128], tl.float32)
+        if NACC >= 2:
+            acc1 = tl.zeros([BH, 128], tl.float32)
+        if NACC == 4:
+            acc2 = tl.zeros([BH, 128], tl.float32)
+            acc3 = tl.zeros([BH, 128], tl.float32)
+        start = sp * per_split
+        end = tl.minimum(start + per_split, topk)
+        for n0 in tl.range(start, end, BN, num_stages=NS):
+            nn = n0 + tl.arange(0, BN)
+            ids = tl.load(IDX + r.to(tl.int64) * topk + nn, mask=nn < end, other=-1)
+            valid = ids >= 0
+            blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
+            row = blk * BS + ids % BS
+            cp = KV8 + row[:, None] * 656 + d[None, :]
+            c0 = tl.load(cp, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            c1 = tl.load(cp + 128, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            c2 = tl.load(cp + 256, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            c3 = tl.load(cp + 384, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+            sp32 = KV32 + row * 164 + 128
+            s0 = tl.load(sp32, mask=valid, other=0.0)
+            s1 = tl.load(sp32 + 1, mask=valid, other=0.0)
+            s2 = tl.load(sp32 + 2, mask=valid, other=0.0)
+            s3 = tl.load(sp32 + 3, mask=valid, other=0.0)
+            kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
+            if QLOOP:
+                q0 = tl.load(qrow + d[None, :])
+                q1 = tl.load(qrow + 128 + d[None, :])
+                q2 = tl.load(qrow + 256 + d[None, :])
+                q3 = tl.load(qrow + 384 + d[None, :])
+                qe = tl.load(qrow + 512 + de[None, :])
+            s = tl.dot(qe, tl.trans(kpe))
+            s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
+            s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
+            s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
+            s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
+            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+            if NACC == 4:
+                acc0 = tl.dot((p * s0[None, :]).to(tl.bfloat16), c0, acc0 * alpha[:, None])
+                acc1 = tl.dot((p * s1[None, :]).to(tl.bfloat16), c1, acc1 * alpha[:, None])
+                acc2 = tl.dot((p * s2[None, :]).to(tl.bfloat16), c2, acc2 * alpha[:, None])
+                acc3 = tl.dot((p * s3[None, :]).to(tl.bfloat16), c3, acc3 * alpha[:, None])
+            elif NACC == 2:
+                if pdv == 0:
+                    va, sa, vb, sb = c0, s0, c1, s1
+                else:
+                    va, sa, vb, sb = c2, s2, c3, s3
+                acc0 = tl.dot((p * sa[None, :]).to(tl.bfloat16), va, acc0 * alpha[:, None])
+                acc1 = tl.dot((p * sb[None, :]).to(tl.bfloat16), vb, acc1 * alpha[:, None])
+            else:
+                if pdv == 0:
+                    va, sa = c0, s0
+                elif pdv == 1:
+                    va, sa = c1, s1
+                elif pdv == 2:
+                    va, sa = c2, s2
+                else:
+                    va, sa = c3, s3
+                acc0 = tl.dot((p * sa[None, :]).to(tl.bfloat16), va, acc0 * alpha[:, None])
+        inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        dv0 = pdv * (128 * NACC)
+        if NSPLIT == 1:
+            orow = O + (r.to(tl.int64) * H + hh[:, None]) * 512 + dv0 + d[None, :]
+            tl.store(orow, (acc0 * inv[:, None]).to(tl.bfloat16))
+            if NACC >= 2:
+                tl.store(orow + 128, (acc1 * inv[:, None]).to(tl.bfloat16))
+            if NACC == 4:
+                tl.store(orow + 256, (acc2 * inv[:, None]).to(tl.bfloat16))
+                tl.store(orow + 384, (acc3 * inv[:, None]).to(tl.bfloat16))
+        else:
+            prow = OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + dv0 + d[None, :]
+            tl.store(prow, acc0 * inv[:, None])
+            if NACC >= 2:
+                tl.store(prow + 128, acc1 * inv[:, None])
+            if NACC == 4:
+                tl.store(prow + 256, acc2 * inv[:, None])
+                tl.store(prow + 384, acc3 * inv[:, None])
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+            tl.store(LSE + ((r.to(tl.int64) * NSPLIT + sp) * NDV + pdv) * H + hh, lse)
+            if FUSED:
+                tl.debug_barrier()
+                cidx = (r * (H // BH) + hb) * NDV + pdv
+                old = tl.atomic_add(ARR + cidx, 1, sem="acq_rel")
+                if old == NSPLIT - 1:
+                    tl.store(ARR + cidx, 0)
+                    sa_ = tl.arange(0, NSP2)
+                    la = tl.load(LSE + ((r.to(tl.int64) * NSPLIT + sa_[:, None]) * NDV + pdv) * H + hh[None, :],
+                                 mask=(sa_ < NSPLIT)[:, None], other=float("-inf"), cache_modifier=".cg")
+                    mx = tl.max(la, 0)
+                    mx = tl.where(mx == float("-inf"), 0.0, mx)
+                    tot = tl.sum(tl.exp2(la - mx[None, :]), 0)
+                    rt = tl.where(tot > 0, 1.0 / tot, 0.0)
+                    for i in tl.static_range(NACC):
+                        o = tl.zeros([BH, 128], tl.float32)
+                        for s_ in range(NSPLIT):
+                            ls = tl.load(LSE + ((r.to(tl.int64) * NSPLIT + s_) * NDV + pdv) * H + hh,
+                                         cache_modifier=".cg")
+                            wgt = tl.exp2(ls - mx) * rt
+                            part = tl.load(OPART + ((r.to(tl.int64) * NSPLIT + s_) * H + hh[:, None]) * 512 + dv0
+                                           + i * 128 + d[None, :], cache_modifier=".cg")
+                            o += wgt[:, None] * part
+                        tl.store(O + (r.to(tl.int64) * H + hh[:, None]) * 512 + dv0 + i * 128 + d[None, :],
+                                 o.to(tl.bfloat16))
+
+    @triton.jit
+    def _combine_v4_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr,
+                           NDV: tl.constexpr, DVB: tl.constexpr):
+        # grid (rows, heads, 512 // DVB): one program merges DVB value dims of one head over the splits
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.arange(0, NSP2)
+        sm = s < NSPLIT
+        d = tl.program_id(2) * DVB + tl.arange(0, DVB)
+        pdv = d // (512 // NDV)
+        lse = tl.load(LSE + ((r.to(tl.int64) * NSPLIT + s[:, None]) * NDV + pdv[None, :]) * H + h, mask=sm[:, None],
+                      other=float("-inf"))
+        mx = tl.max(lse, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        wgt = tl.exp2(lse - mx[None, :])
+        tot = tl.sum(wgt, 0)
+        wgt = wgt * tl.where(tot > 0, 1.0 / tot, 0.0)[None, :]
+        o = tl.load(OPART + ((r.to(tl.int64) * NSPLIT + s[:, None]) * H + h) * 512 + d[None, :], mask=sm[:, None],
+                    other=0.0)
+        tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o * wgt, 0).to(tl.bfloat16))
+
+
 _WS: dict = {}
 _AR: dict = {}
 
@@ -255,9 +423,12 @@ def _num_sms(device) -> int:
 
 
 def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=None, bn=64, nacc=4, num_warps=8,
-                num_stages=1, out=None, impl="v1"):
+                num_stages=1, out=None, impl="v1", **v4):
     if triton is None:
         raise RuntimeError("sparse_mla Triton kernels need triton and a CUDA GPU")
+    if impl == "v4":
+        return _sparse_mla_v4(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit, bn, nacc,
+                              num_warps=num_warps, num_stages=num_stages, out=out, **v4)
     R, H, Dq = q.shape
     assert nacc in (2, 4), "nacc (value tiles of 128 per program) must be 4 or 2"
     assert Dq == 576 and kv_cache.shape[-1] == 656 and kv_cache.dtype == torch.uint8 and H % 64 == 0
@@ -309,20 +480,66 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
     return out
 
 
+_WS4: dict = {}
+
+
+def _sparse_mla_v4(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=None, bn=64, nacc=4, bh=64,
+                   num_warps=8, num_stages=2, qloop=False, fused=True, progs_per_sm=1, out=None):
+    R, H, Dq = q.shape
+    if nacc not in (1, 2, 4) or bh not in (16, 32, 64) or H % bh:
+        raise ValueError(f"sparse_mla v4: nacc must be 1, 2 or 4 and bh 16, 32 or 64 dividing H={H}")
+    q = q.contiguous()
+    indices = indices.to(torch.int32).contiguous()
+    topk = indices.shape[1]
+    bs = kv_cache.shape[1]
+    flat = kv_cache.view(-1, 656)
+    ndv = 4 // nacc
+    dev = q.device
+    if nsplit is None:
+        nsm = _num_sms(dev) if dev.type == "cuda" else 4
+        base = R * (H // bh) * ndv
+        nsplit = max(1, min(triton.cdiv(topk, bn), triton.cdiv(progs_per_sm * nsm, base)))
+    per_split = triton.cdiv(triton.cdiv(topk, nsplit), bn) * bn
+    nsplit = triton.cdiv(topk, per_split)
+    if out is None:
+        out = torch.empty(R, H, 512, dtype=torch.bfloat16, device=dev)
+    key = (str(dev), R, nsplit, H, ndv, bh)
+    if nsplit > 1 and key not in _WS4:
+        _WS4[key] = (torch.empty(R, nsplit, H, 512, dtype=torch.float32, device=dev),
+                     torch.empty(R, nsplit, ndv, H, dtype=torch.float32, device=dev),
+                     torch.zeros(R * (H // bh) * ndv, dtype=torch.int32, device=dev))
+    opart, lse, arr = _WS4[key] if nsplit > 1 else (out, out, out)
+    nsp2 = triton.next_power_of_2(nsplit)
+    _sparse_mla_v4_kernel[(R, H // bh, nsplit * ndv)](q, flat, flat.view(torch.float32), flat.view(torch.bfloat16),
+                                                       block_table, row_seq, indices, out, opart, lse, arr,
+                                                       sm_scale * 1.4426950408889634, block_table.stride(0), topk,
+                                                       per_split, BS=bs, H=H, BH=bh, BN=bn, NACC=nacc, NSPLIT=nsplit,
+                                                       NS=num_stages, QLOOP=qloop, FUSED=fused, NSP2=nsp2,
+                                                       num_warps=num_warps)
+    if nsplit > 1 and not fused:
+        dvb = 128 if R * H < 1024 else 512  # small batches: more, shorter programs
+        _combine_v4_kernel[(R, H, 512 // dvb)](opart, lse, out, H=H, NSPLIT=nsplit, NSP2=nsp2, NDV=ndv, DVB=dvb,
+                                               num_warps=4)
+    return out
+
+
 def sparse_mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, indices: torch.Tensor,
                       sm_scale: float | None = None, *, nsplit: int | None = None, bn: int = 64, nacc: int = 4,
-                      num_warps: int = 8, num_stages: int = 1, out=None, impl: str = "v1") -> torch.Tensor:
+                      num_warps: int = 8, num_stages: int = 1, out=None, impl: str = "v1", **v4) -> torch.Tensor:
     """q [B, H, 576] bf16, kv_cache [NB, BS, 656] u8, block_table [B, MB] i32, indices [B, topk] i32 (positions in
     sequence b, -1 = none) -> out [B, H, 512] bf16. sm_scale defaults to 576^-0.5. impl "v1": raw codes into the
     tensor cores, scales folded into S and P (4 value accumulators); "v2": tile dequantized to bf16, single wide dots;
-    "v3": v2 with per-row scales and a manual prefetch pipeline (bn 32 recommended)."""
+    "v3": v2 with per-row scales and a manual prefetch pipeline (bn 32 recommended); "v4": v1's math with bh heads
+    per program (bh=16/32/64), nacc value tiles per program, pipelined gathers, optional per-tile q reload
+    (qloop=True) and the split merge fused into the last program (fused=True; keyword arguments bh, qloop, fused,
+    progs_per_sm)."""
     B = q.shape[0]
     key = (str(q.device), B)
     if key not in _AR:
         _AR[key] = torch.arange(B, dtype=torch.int32, device=q.device)
     sm_scale = 576 ** -0.5 if sm_scale is None else sm_scale
     return _sparse_mla(q, kv_cache, block_table, _AR[key], indices, sm_scale, nsplit, bn, nacc, num_warps,
-                       num_stages, out, impl)
+                       num_stages, out, impl, **v4)
 
 
 def sparse_mla_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table_row: torch.Tensor, indices: torch.Tensor,

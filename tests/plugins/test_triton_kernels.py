@@ -110,9 +110,9 @@ def test_mla_fp8_quantize_to_cache():
     assert (got[:, :512] == ref[:, :512]).float().mean() >= 0.9999
 
 
-@pytest.mark.parametrize("impl", ["v1", "v2"])
+@pytest.mark.parametrize("impl,tma", [("v1", None), ("v2", None), ("v3", True), ("v3", False)])
 @pytest.mark.parametrize("bs", [64, 32])
-def test_indexer_topk_decode(bs, impl):
+def test_indexer_topk_decode(bs, impl, tma):
     gen = torch.Generator().manual_seed(3)
     lens = [5000, 1500, 2048, 9000, 1]
     topk = 2048
@@ -125,16 +125,19 @@ def test_indexer_topk_decode(bs, impl):
         oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
         os_ = torch.full((B, topk), float("nan"), device=DEV)
         itk.indexer_topk_decode(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV), cl.to(DEV), topk,
-                                out=(oi, os_), impl=impl)
+                                out=(oi, os_), impl=impl, tma=tma)
         torch.cuda.synchronize()
         _, _, full = iref.indexer_topk_decode_ref(q, w, codes, scales, bt, cl, topk, return_all_scores=True)
         res = iref.check_topk(oi, os_, full, lens, topk)
         assert res["ok"], res
 
 
-@pytest.mark.parametrize("lens,topk", [([70000, 65536], 2048), ([131072], 2048), ([3000, 200, 9000], 512)])
-def test_indexer_topk_decode_v2_long(lens, topk):
-    """v2 threshold select on long rows (register and memory paths), random (non-zero) cache."""
+@pytest.mark.parametrize("impl", ["v2", "v3"])
+@pytest.mark.parametrize("lens,topk", [([70000, 65536], 2048), ([131072], 2048), ([3000, 200, 9000], 512),
+                                       ([40000, 9000], 8192), ([300000], 256)])
+def test_indexer_topk_decode_long(lens, topk, impl):
+    """Threshold selects on long rows (register and memory paths: > 4096 candidates, > 4096 group maxima),
+    random (non-zero) cache."""
     gen = torch.Generator().manual_seed(11)
     bs = 64
     bt, nb = _paged(lens, bs, gen)
@@ -150,7 +153,7 @@ def test_indexer_topk_decode_v2_long(lens, topk):
     os_ = torch.full((B, topk), float("nan"), device=DEV)
     for _ in range(2):
         itk.indexer_topk_decode(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV), cl.to(DEV), topk,
-                                out=(oi, os_))
+                                out=(oi, os_), impl=impl)
     torch.cuda.synchronize()
     _, _, full = iref.indexer_topk_decode_ref(q, w, codes, scales, bt, cl, topk, return_all_scores=True)
     res = iref.check_topk(oi, os_, full, lens, topk)
@@ -205,7 +208,8 @@ def test_indexer_topk_onnx_contract(zero_w):
         assert bool((gs[b, 0, 1:n] <= gs[b, 0, :n - 1]).all())
 
 
-def test_indexer_topk_ties():
+@pytest.mark.parametrize("impl", ["v2", "v3"])
+def test_indexer_topk_ties(impl):
     """Many exactly equal scores (w = 0 for all heads but a constant key): ties resolved to exactly k slots."""
     gen = torch.Generator().manual_seed(4)
     lens = [3000]
@@ -213,7 +217,7 @@ def test_indexer_topk_ties():
     q = torch.randn(1, 64, 128, generator=gen).bfloat16()
     w = torch.zeros(1, 64)  # every score is exactly 0
     oi, os_ = itk.indexer_topk_decode(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV),
-                                      torch.tensor(lens, dtype=torch.int32, device=DEV), 2048)
+                                      torch.tensor(lens, dtype=torch.int32, device=DEV), 2048, impl=impl)
     sel = oi.cpu()[0]
     assert sel.unique().numel() == 2048 and int(sel.min()) >= 0 and int(sel.max()) < 3000
     assert bool((os_.cpu() == 0).all())
@@ -242,9 +246,13 @@ def _mla_cache(lens, bs, gen):
     return cache, bt
 
 
-@pytest.mark.parametrize("impl,nsplit,nacc", [("v1", None, 4), ("v1", 1, 4), ("v1", 3, 2), ("v2", None, 4),
-                                              ("v2", 1, 4), ("v3", None, 4), ("v3", 1, 4), ("v3", 7, 4)])
-def test_sparse_mla_decode(impl, nsplit, nacc):
+@pytest.mark.parametrize("impl,nsplit,nacc,v4", [
+    ("v1", None, 4, {}), ("v1", 1, 4, {}), ("v1", 3, 2, {}), ("v2", None, 4, {}), ("v2", 1, 4, {}), ("v3", None, 4, {}),
+    ("v3", 1, 4, {}), ("v3", 7, 4, {}),
+    ("v4", None, 2, {"bh": 64, "fused": True}), ("v4", 1, 4, {"bh": 64}), ("v4", 3, 1, {"bh": 32, "fused": False}),
+    ("v4", 5, 4, {"bh": 64, "fused": True, "qloop": True}), ("v4", 16, 1, {"bh": 16, "fused": True}),
+    ("v4", 7, 2, {"bh": 32, "fused": True, "qloop": True})])
+def test_sparse_mla_decode(impl, nsplit, nacc, v4):
     gen = torch.Generator().manual_seed(6)
     lens, topk, H = [3000, 2500, 100], 2048, 128
     cache, bt = _mla_cache(lens, 64, gen)
@@ -256,12 +264,14 @@ def test_sparse_mla_decode(impl, nsplit, nacc):
     idx[0] = idx[0][torch.randperm(topk, generator=gen)]  # -1 entries anywhere
     idx[0, ::7] = -1
     q = (torch.randn(B, H, 576, generator=gen) * 0.5).bfloat16()
-    out = torch.full((B, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
-    mtk.sparse_mla_decode(q.to(DEV), cache.to(DEV), bt.to(DEV), idx.to(DEV), nsplit=nsplit, nacc=nacc, out=out,
-                          impl=impl, bn=32 if impl == "v3" else 64)
     ref = mref.sparse_mla_decode_ref(q, cache, bt, idx, 576 ** -0.5)
-    assert not out.isnan().any()
-    assert rel(out, ref) < 1e-2
+    out = torch.empty((B, H, 512), dtype=torch.bfloat16, device=DEV)
+    for _ in range(2):  # twice: v4's fused merge counters must reset themselves
+        out.fill_(float("nan"))
+        mtk.sparse_mla_decode(q.to(DEV), cache.to(DEV), bt.to(DEV), idx.to(DEV), nsplit=nsplit, nacc=nacc, out=out,
+                              impl=impl, bn=32 if impl == "v3" else 64, **v4)
+        assert not out.isnan().any()
+        assert rel(out, ref) < 1e-2
 
 
 def test_sparse_mla_prefill():
