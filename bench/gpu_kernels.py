@@ -229,7 +229,8 @@ def indexer_section(args):
                     kd = TensorDescriptor.from_tensor(codes.view(-1, D).view(torch.float8_e4m3fn), [bs, 32])
                 want = max(1, pps * torch.cuda.get_device_properties(0).multi_processor_count // B)
                 ppp = max(1, (npg + want - 1) // want)
-                itk._score3_kernel[(B, (npg + ppp - 1) // ppp)](q, w.float(), codes, kd, scales.view(torch.int32), bt, rs, cl, sc, gm,
+                itk._score3_kernel[(B, (npg + ppp - 1) // ppp)](q, w.float(), codes, kd, scales.view(torch.int32), bt,
+                                                                rs, cl, sc, gm,
                                                                 bt.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=ns,
                                                                 TMA=tma, ONE_DOT=one_dot,
                                                                 PPB=1 << (ppp - 1).bit_length(), num_warps=nw)

@@ -820,13 +820,15 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     key = (str(dev), R, cap, ngcap)
     ws = _WS3.get(key)
     if ws is None:
-        ws = (torch.empty(R, cap, dtype=torch.float32, device=dev), torch.empty(R, ngcap, dtype=torch.float32, device=dev),
-              torch.empty(R, cap, dtype=torch.float32, device=dev), torch.empty(R, cap, dtype=torch.int32, device=dev),
+        f32 = dict(dtype=torch.float32, device=dev)
+        ws = (torch.empty(R, cap, **f32), torch.empty(R, ngcap, **f32),
+              torch.empty(R, cap, **f32), torch.empty(R, cap, dtype=torch.int32, device=dev),
               torch.zeros(R, dtype=torch.int32, device=dev), torch.zeros(R, dtype=torch.int32, device=dev))
         _WS3[key] = ws
     sc, gm, cs, cp, cnt, arr = ws
     if out is None:
-        out = (torch.empty(R, topk, dtype=torch.int32, device=dev), torch.empty(R, topk, dtype=torch.float32, device=dev))
+        out = (torch.empty(R, topk, dtype=torch.int32, device=dev),
+               torch.empty(R, topk, dtype=torch.float32, device=dev))
     out_i, out_s = out
     kd = None
     if tma is None:
