@@ -180,12 +180,10 @@ def indexer_section(args):
         if not args.quick:
             cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
                      dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
-        cfgs += [dict(impl="v3", tma=tma, num_warps=4, num_stages=2, progs_per_sm=pps, select=sel, cand_warps=cw,
-                      final_warps=fw)
-                 for tma, pps, sel, cw, fw in ((True, 4, "bisect", 4, 8), (True, 4, "bisect", 8, 8),
-                                               (True, 4, "bisect", 4, 4), (True, 4, "bisect", 8, 16),
-                                               (False, 4, "bisect", 4, 8), (True, 8, "bisect", 4, 8),
-                                               (True, 4, "radix", 4, 8))]
+        cfgs += [dict(impl="v3", tma=tma, num_warps=nw, num_stages=ns, progs_per_sm=pps, pair=pr)
+                 for tma, nw, ns, pps, pr in ((True, 4, 2, 4, 1), (True, 4, 2, 8, 1), (True, 4, 2, 4, 2),
+                                              (True, 4, 2, 2, 2), (True, 8, 2, 2, 2), (True, 4, 3, 4, 2),
+                                              (False, 4, 2, 4, 2))]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
@@ -233,7 +231,7 @@ def indexer_section(args):
                                                                 rs, cl, sc, gm,
                                                                 bt.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=ns,
                                                                 TMA=tma, ONE_DOT=one_dot,
-                                                                PPB=1 << (ppp - 1).bit_length(), num_warps=nw)
+                                                                PPB=1 << (ppp - 1).bit_length(), PAIR=1, num_warps=nw)
             for od in (False, True):
                 record("indexer", case, f"triton v3 score kernel only (tma warps=4 stages=2 progs/SM=4 one_dot={od})",
                        shape, bytes_, flops, lambda od=od: score3_only(one_dot=od), reps=args.reps,
@@ -301,13 +299,12 @@ def mla_section(args):
         ref = torch.bmm(torch.softmax(s * sm, -1), ck)
         del rows, ck, kp, s
         if B > 1:
-            cfgs = [dict(impl="v1", nsplit=2, bn=64, nacc=4, num_warps=8, num_stages=1)]
+            cfgs = [dict(impl="v1", nsplit=ns_, bn=64, nacc=4, num_warps=8, num_stages=1) for ns_ in (2, 4)]
             cfgs += [dict(impl="v4", bn=32, nacc=4, bh=64, num_warps=8, num_stages=2, qloop=True, progs_per_sm=1)]
         else:
-            cfgs = [dict(impl="v1", nsplit=None, bn=64, nacc=2, num_warps=8, num_stages=1)]
-            cfgs += [dict(impl="v4", nsplit=ns_, bn=bn, nacc=nacc, bh=bh, num_warps=nw, num_stages=st, fused=fu)
-                     for ns_, bn, nacc, bh, nw, st, fu in ((32, 64, 2, 64, 8, 2, False), (32, 64, 4, 32, 4, 2, False),
-                                                           (32, 64, 2, 64, 8, 2, True))]
+            cfgs = [dict(impl="v1", nsplit=ns_, bn=bn, nacc=2, num_warps=8, num_stages=1)
+                    for ns_, bn in ((None, 64), (16, 64), (64, 32))]
+            cfgs += [dict(impl="v4", nsplit=32, bn=64, nacc=2, bh=64, num_warps=8, num_stages=2, fused=False)]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:

@@ -422,7 +422,7 @@ if triton is not None:
     @triton.jit
     def _score3_kernel(Q, W, KC, KD, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, ppp,
                        BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr,
-                       ONE_DOT: tl.constexpr, PPB: tl.constexpr):
+                       ONE_DOT: tl.constexpr, PPB: tl.constexpr, PAIR: tl.constexpr):
         # One tile = one cache page (BS keys). The page's four 32-column code groups arrive by TMA (KD, a
         # [rows, 128] fp8 descriptor with a [BS, 32] box) or by plain loads (KC), software-pipelined NS deep by
         # tl.range; codes -> fp16 pre-scaled by 2^(e_g - e_max) (exact), four chained fp16 tensor-core dots
@@ -454,54 +454,67 @@ if triton is not None:
             dd = tl.arange(0, 128)
             qcat = (tl.load(Q + r.to(tl.int64) * H * 128 + h[None, :] * 128 + dd[:, None]).to(tl.float32) * qs)
             qcat = qcat.to(tl.float16)
+        else:
+            qcat = q0
         p0 = s * ppp
         p1 = tl.minimum(p0 + ppp, tl.cdiv(L, BS))
         obase = r.to(tl.int64) * cap
         if PPB > 0:  # the program's block-table entries in one load, picked per page from registers
             pa = tl.arange(0, PPB)
             btv = tl.load(BT + seq * stride_bt + p0 + pa, mask=pa < p1 - p0, other=0)
-        for pg in tl.range(p0, p1, num_stages=NS):
-            if PPB > 0:
-                blk = tl.sum(tl.where(pa == pg - p0, btv, 0), 0)
-            else:
-                blk = tl.load(BT + seq * stride_bt + pg)
-            row0 = blk * BS
-            if TMA:
-                c0 = KD.load([row0, 0])
-                c1 = KD.load([row0, 32])
-                c2 = KD.load([row0, 64])
-                c3 = KD.load([row0, 96])
-            else:
-                cp = KC + (row0.to(tl.int64) + n)[:, None] * 128 + d[None, :]
-                c0 = tl.load(cp).to(tl.float8e4nv, bitcast=True)
-                c1 = tl.load(cp + 32).to(tl.float8e4nv, bitcast=True)
-                c2 = tl.load(cp + 64).to(tl.float8e4nv, bitcast=True)
-                c3 = tl.load(cp + 96).to(tl.float8e4nv, bitcast=True)
-            ev = tl.load(KS + row0.to(tl.int64) + n)  # the row's four E8M0 bytes as one int32
-            e0 = ev & 255
-            e1 = (ev >> 8) & 255
-            e2 = (ev >> 16) & 255
-            e3 = (ev >> 24) & 255
-            emax = tl.maximum(tl.maximum(e0, e1), tl.maximum(e2, e3))
-            a0 = c0.to(tl.float16) * _pow2(e0 - emax).to(tl.float16)[:, None]
-            a1 = c1.to(tl.float16) * _pow2(e1 - emax).to(tl.float16)[:, None]
-            a2 = c2.to(tl.float16) * _pow2(e2 - emax).to(tl.float16)[:, None]
-            a3 = c3.to(tl.float16) * _pow2(e3 - emax).to(tl.float16)[:, None]
-            if ONE_DOT:  # one K=128 dot: the four [BS, 32] groups joined along K
-                a = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # [n, d, i, j] = group 2i + j, column d
-                a = tl.reshape(tl.permute(a, (0, 2, 3, 1)), [BS, 128])
-                acc = tl.dot(a, qcat)
-            else:
-                acc = tl.dot(a0, q0)
-                acc = tl.dot(a1, q1, acc)
-                acc = tl.dot(a2, q2, acc)
-                acc = tl.dot(a3, q3, acc)
-            sc = tl.sum(tl.maximum(acc, 0.0) * wv[None, :], 1) * _pow2(emax - 127)
-            pos = pg * BS + n
-            valid = pos < L
-            tl.store(SC + obase + pos, sc, mask=valid)
-            gm = tl.max(tl.reshape(tl.where(valid, sc, float("-inf")), [BS // G, G]), 1)
-            tl.store(GM + r.to(tl.int64) * ngcap + pg * (BS // G) + tl.arange(0, BS // G), gm)
+        for pg0 in tl.range(p0, p1, PAIR, num_stages=NS):
+            for j in tl.static_range(PAIR):  # PAIR pages per iteration: independent dot chains for the scheduler
+                pg = pg0 + j
+                live = pg < p1
+                if PPB > 0:
+                    blk = tl.sum(tl.where(pa == pg - p0, btv, 0), 0)
+                else:
+                    blk = tl.load(BT + seq * stride_bt + pg, mask=live, other=0)
+                sc, emax = _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, qcat, BS, TMA, ONE_DOT)
+                sc = tl.sum(tl.maximum(sc, 0.0) * wv[None, :], 1) * _pow2(emax - 127)
+                pos = pg * BS + n
+                valid = (pos < L) & live
+                tl.store(SC + obase + pos, sc, mask=valid)
+                gm = tl.max(tl.reshape(tl.where(valid, sc, float("-inf")), [BS // G, G]), 1)
+                tl.store(GM + r.to(tl.int64) * ngcap + pg * (BS // G) + tl.arange(0, BS // G), gm,
+                         mask=live & (tl.arange(0, BS // G) >= 0))
+
+    @triton.jit
+    def _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, qcat, BS: tl.constexpr, TMA: tl.constexpr,
+                     ONE_DOT: tl.constexpr):
+        # one cache page: [BS, H] logits (fp32, before relu / weights / the 2^(emax-127) factor) and emax [BS]
+        row0 = blk * BS
+        if TMA:
+            c0 = KD.load([row0, 0])
+            c1 = KD.load([row0, 32])
+            c2 = KD.load([row0, 64])
+            c3 = KD.load([row0, 96])
+        else:
+            cp = KC + (row0.to(tl.int64) + n)[:, None] * 128 + d[None, :]
+            c0 = tl.load(cp).to(tl.float8e4nv, bitcast=True)
+            c1 = tl.load(cp + 32).to(tl.float8e4nv, bitcast=True)
+            c2 = tl.load(cp + 64).to(tl.float8e4nv, bitcast=True)
+            c3 = tl.load(cp + 96).to(tl.float8e4nv, bitcast=True)
+        ev = tl.load(KS + row0.to(tl.int64) + n)  # the row's four E8M0 bytes as one int32
+        e0 = ev & 255
+        e1 = (ev >> 8) & 255
+        e2 = (ev >> 16) & 255
+        e3 = (ev >> 24) & 255
+        emax = tl.maximum(tl.maximum(e0, e1), tl.maximum(e2, e3))
+        a0 = c0.to(tl.float16) * _pow2(e0 - emax).to(tl.float16)[:, None]
+        a1 = c1.to(tl.float16) * _pow2(e1 - emax).to(tl.float16)[:, None]
+        a2 = c2.to(tl.float16) * _pow2(e2 - emax).to(tl.float16)[:, None]
+        a3 = c3.to(tl.float16) * _pow2(e3 - emax).to(tl.float16)[:, None]
+        if ONE_DOT:  # one K=128 dot: the four [BS, 32] groups joined along K
+            a = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # [n, d, i, j] = group 2i + j, column d
+            a = tl.reshape(tl.permute(a, (0, 2, 3, 1)), [BS, 128])
+            acc = tl.dot(a, qcat)
+        else:
+            acc = tl.dot(a0, q0)
+            acc = tl.dot(a1, q1, acc)
+            acc = tl.dot(a2, q2, acc)
+            acc = tl.dot(a3, q3, acc)
+        return acc, emax
 
     @triton.jit
     def _nibble_counts(keys, m, prefix, STEP: tl.constexpr):
@@ -804,7 +817,7 @@ def _tma_ok(k_codes: torch.Tensor) -> bool:
 
 def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, num_warps,
                      progs_per_sm, out, num_stages, tma, select="bisect", fused_select=False, one_dot=False,
-                     prefetch_bt=True, cand_warps=4, final_warps=8):
+                     prefetch_bt=True, cand_warps=4, final_warps=8, pair=None):
     """`_score3_kernel` (one page per tile, TMA or plain loads pipelined num_stages deep), then select="bisect":
     v2's `_cand_kernel` + `_final_kernel`; select="radix": `_select3_kernel` (+ `_final3_kernel` unless fused)."""
     R, H, D = q.shape
@@ -840,10 +853,12 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     want = max(1, (progs_per_sm * nsm) // max(R, 1))
     ppp = max(1, triton.cdiv(npages, want))
     ppb = triton.next_power_of_2(ppp) if prefetch_bt and ppp <= 64 else 0
+    if pair is None:  # two pages per iteration pays off with many rows (B=32: 162 vs 174 us), not at B=1 (42 vs 37)
+        pair = 2 if R >= 8 else 1
     _score3_kernel[(R, triton.cdiv(npages, ppp))](q, weights, k_codes, kd, k_scales.view(torch.int32), block_table,
                                                   row_seq, row_len,
                                                   sc, gm, block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G,
-                                                  NS=num_stages, TMA=bool(tma), ONE_DOT=one_dot, PPB=ppb,
+                                                  NS=num_stages, TMA=bool(tma), ONE_DOT=one_dot, PPB=ppb, PAIR=pair,
                                                   num_warps=num_warps)
     if select == "bisect":  # v2's threshold + candidates and exact selection (measured fastest)
         blk = 2048
@@ -879,7 +894,8 @@ def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.T
     block_table [B, MB] i32, context_lens [B] i32 -> (indices [B, topk] i32 (-1 pad), scores [B, topk] f32).
     impl "v3" keywords: select ("bisect": v2's candidate + bisection kernels, default and measured fastest; "radix":
     4-bit radix select kernels), fused_select (radix: final selection in the last candidate program), one_dot (one
-    K=128 dot), prefetch_bt (a program's block-table entries loaded once, default)."""
+    K=128 dot), prefetch_bt (a program's block-table entries loaded once, default), pair (pages per loop iteration;
+    default 2 for >= 8 rows, else 1)."""
     B = q.shape[0]
     cap = block_table.shape[1] * k_codes.shape[1]
     return _indexer_topk(q, weights, k_codes, k_scales, block_table, _arange(B, q.device),

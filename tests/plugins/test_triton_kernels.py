@@ -110,9 +110,10 @@ def test_mla_fp8_quantize_to_cache():
     assert (got[:, :512] == ref[:, :512]).float().mean() >= 0.9999
 
 
-@pytest.mark.parametrize("impl,tma", [("v1", None), ("v2", None), ("v3", True), ("v3", False)])
+@pytest.mark.parametrize("impl,tma,kw", [("v1", None, {}), ("v2", None, {}), ("v3", True, {}), ("v3", False, {}),
+                                         ("v3", True, {"pair": 2}), ("v3", False, {"pair": 2, "prefetch_bt": False})])
 @pytest.mark.parametrize("bs", [64, 32])
-def test_indexer_topk_decode(bs, impl, tma):
+def test_indexer_topk_decode(bs, impl, tma, kw):
     gen = torch.Generator().manual_seed(3)
     lens = [5000, 1500, 2048, 9000, 1]
     topk = 2048
@@ -125,7 +126,7 @@ def test_indexer_topk_decode(bs, impl, tma):
         oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
         os_ = torch.full((B, topk), float("nan"), device=DEV)
         itk.indexer_topk_decode(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt.to(DEV), cl.to(DEV), topk,
-                                out=(oi, os_), impl=impl, tma=tma)
+                                out=(oi, os_), impl=impl, tma=tma, **kw)
         torch.cuda.synchronize()
         _, _, full = iref.indexer_topk_decode_ref(q, w, codes, scales, bt, cl, topk, return_all_scores=True)
         res = iref.check_topk(oi, os_, full, lens, topk)
