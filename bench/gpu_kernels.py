@@ -177,13 +177,16 @@ def indexer_section(args):
         del full
         lens = [int(x) for x in cl.cpu()]
         cfgs = [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2)]
-        if not args.quick:
+        if args.only_defaults:
+            cfgs.append(dict(impl="v3"))
+        elif not args.quick:
             cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
                      dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
-        cfgs += [dict(impl="v3", tma=tma, num_warps=nw, num_stages=ns, progs_per_sm=pps, pair=pr)
-                 for tma, nw, ns, pps, pr in ((True, 4, 2, 4, 1), (True, 4, 2, 8, 1), (True, 4, 2, 4, 2),
-                                              (True, 4, 2, 2, 2), (True, 8, 2, 2, 2), (True, 4, 3, 4, 2),
-                                              (False, 4, 2, 4, 2))]
+        if not args.only_defaults:
+            cfgs += [dict(impl="v3", tma=tma, num_warps=nw, num_stages=ns, progs_per_sm=pps, pair=pr)
+                     for tma, nw, ns, pps, pr in ((True, 4, 2, 4, 1), (True, 4, 2, 8, 1), (True, 4, 2, 4, 2),
+                                                  (True, 4, 2, 2, 2), (True, 8, 2, 2, 2), (True, 4, 3, 4, 2),
+                                                  (False, 4, 2, 4, 2))]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
@@ -199,6 +202,11 @@ def indexer_section(args):
                 chk = {"ok": False, "error": str(e)[:300]}
             fn = lambda cfg=cfg: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, **cfg)
             record("indexer", case, var, shape, bytes_, flops, fn, check=chk, reps=args.reps)
+        if args.only_defaults:
+            del codes, scales
+            torch.cuda.empty_cache()
+            flush_json(args)
+            continue
         if True:
             cap = bt.shape[1] * bs
             rs = torch.arange(B, dtype=torch.int32, device=DEV)
@@ -531,6 +539,7 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer baseline variants (new kernels + best previous)")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
+    ap.add_argument("--only-defaults", action="store_true", help="indexer: only v2 and v3 with default settings")
     args = ap.parse_args()
     import triton
     RESULTS.update({
