@@ -124,7 +124,10 @@ def test_ort_matmul_nz_matches_plain_matmul(K, N, xshape):
     assert y.shape == (*xshape, N) and y.dtype == np.float32
     rel = np.abs(y - want).max() / np.abs(want).max()
     assert rel < 1e-6, rel
-    assert np.allclose(y, R.matmul_nz(x, R.nd_to_nz(w), K=K, N=N), rtol=1e-6, atol=1e-6)
+    # ORT and the numpy reference each within 1e-6 of fp64 (relative to the output's scale): elementwise allclose at
+    # 1e-6 failed on an AMD EPYC host where MLAS and OpenBLAS sum in different orders
+    ref = R.matmul_nz(x, R.nd_to_nz(w), K=K, N=N)
+    assert np.abs(y - ref).max() / np.abs(want).max() < 2e-6
 
 
 def test_ort_matmul_nz_torch_linear_weight():
