@@ -28,6 +28,67 @@ except ImportError:  # pragma: no cover
 if triton is not None:
 
     @triton.jit
+    def _q_tiles(qrow, d, de):
+        # q of BH heads: four [BH, 128] latent tiles and the [BH, 64] rope part
+        return (tl.load(qrow + d[None, :]), tl.load(qrow + 128 + d[None, :]), tl.load(qrow + 256 + d[None, :]),
+                tl.load(qrow + 384 + d[None, :]), tl.load(qrow + 512 + de[None, :]))
+
+    @triton.jit
+    def _gather_tile(KV8, KV32, KV16, BT, IDX, seq, stride_bt, ibase, n0, end, d, de, BS: tl.constexpr,
+                     BN: tl.constexpr):
+        # BN selected rows: validity, the four E4M3 code tiles as bf16 (exact), their fp32 tile scales, rope part
+        nn = n0 + tl.arange(0, BN)
+        ids = tl.load(IDX + ibase + nn, mask=nn < end, other=-1)
+        valid = ids >= 0
+        blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
+        row = blk * BS + ids % BS
+        cp = KV8 + row[:, None] * 656 + d[None, :]
+        c0 = tl.load(cp, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        c1 = tl.load(cp + 128, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        c2 = tl.load(cp + 256, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        c3 = tl.load(cp + 384, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+        sp32 = KV32 + row * 164 + 128
+        s0 = tl.load(sp32, mask=valid, other=0.0)
+        s1 = tl.load(sp32 + 1, mask=valid, other=0.0)
+        s2 = tl.load(sp32 + 2, mask=valid, other=0.0)
+        s3 = tl.load(sp32 + 3, mask=valid, other=0.0)
+        kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
+        return valid, c0, c1, c2, c3, s0, s1, s2, s3, kpe
+
+    @triton.jit
+    def _softmax_step(q0, q1, q2, q3, qe, c0, c1, c2, c3, s0, s1, s2, s3, kpe, valid, m_i, l_i, qk_scale_log2):
+        # S = q_pe.k_pe + sum_t s_t (q_t . c_t) on the raw codes; one online-softmax step in base 2
+        s = tl.dot(qe, tl.trans(kpe))
+        s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
+        s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
+        s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
+        s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+    @triton.jit
+    def _store_tiles(ptr, acc0, acc1, acc2, acc3, inv, NACC: tl.constexpr, BF16: tl.constexpr):
+        # NACC [BH, 128] value tiles times 1/l at ptr, ptr + 128, ...
+        if BF16:
+            tl.store(ptr, (acc0 * inv[:, None]).to(tl.bfloat16))
+            if NACC >= 2:
+                tl.store(ptr + 128, (acc1 * inv[:, None]).to(tl.bfloat16))
+            if NACC == 4:
+                tl.store(ptr + 256, (acc2 * inv[:, None]).to(tl.bfloat16))
+                tl.store(ptr + 384, (acc3 * inv[:, None]).to(tl.bfloat16))
+        else:
+            tl.store(ptr, acc0 * inv[:, None])
+            if NACC >= 2:
+                tl.store(ptr + 128, acc1 * inv[:, None])
+            if NACC == 4:
+                tl.store(ptr + 256, acc2 * inv[:, None])
+                tl.store(ptr + 384, acc3 * inv[:, None])
+
+    @triton.jit
     def _sparse_mla_kernel(Q, KV8, KV32, KV16, BT, ROW_SEQ, IDX, O, OPART, LSE, qk_scale_log2,
                            stride_bt, topk, per_split,
                            BS: tl.constexpr, H: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
@@ -41,50 +102,20 @@ if triton is not None:
         d = tl.arange(0, 128)
         de = tl.arange(0, 64)
         qrow = Q + (r.to(tl.int64) * H + hh[:, None]) * 576
-        q0 = tl.load(qrow + d[None, :])
-        q1 = tl.load(qrow + 128 + d[None, :])
-        q2 = tl.load(qrow + 256 + d[None, :])
-        q3 = tl.load(qrow + 384 + d[None, :])
-        qe = tl.load(qrow + 512 + de[None, :])
+        q0, q1, q2, q3, qe = _q_tiles(qrow, d, de)
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BH], tl.float32)
         acc0 = tl.zeros([BH, 128], tl.float32)
-        if NACC >= 2:
-            acc1 = tl.zeros([BH, 128], tl.float32)
-        if NACC == 4:
-            acc2 = tl.zeros([BH, 128], tl.float32)
-            acc3 = tl.zeros([BH, 128], tl.float32)
+        acc1 = tl.zeros([BH, 128], tl.float32)  # value tiles past NACC stay unused (dead, never loop-carried)
+        acc2 = tl.zeros([BH, 128], tl.float32)
+        acc3 = tl.zeros([BH, 128], tl.float32)
         start = sp * per_split
         end = tl.minimum(start + per_split, topk)
         for n0 in range(start, end, BN):
-            nn = n0 + tl.arange(0, BN)
-            ids = tl.load(IDX + r.to(tl.int64) * topk + nn, mask=nn < end, other=-1)
-            valid = ids >= 0
-            blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
-            row = blk * BS + ids % BS
-            cp = KV8 + row[:, None] * 656 + d[None, :]
-            c0 = tl.load(cp, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            c1 = tl.load(cp + 128, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            c2 = tl.load(cp + 256, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            c3 = tl.load(cp + 384, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            sp32 = KV32 + row * 164 + 128
-            s0 = tl.load(sp32, mask=valid, other=0.0)
-            s1 = tl.load(sp32 + 1, mask=valid, other=0.0)
-            s2 = tl.load(sp32 + 2, mask=valid, other=0.0)
-            s3 = tl.load(sp32 + 3, mask=valid, other=0.0)
-            kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
-            s = tl.dot(qe, tl.trans(kpe))
-            s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
-            s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
-            s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
-            s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
-            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+            valid, c0, c1, c2, c3, s0, s1, s2, s3, kpe = _gather_tile(KV8, KV32, KV16, BT, IDX, seq, stride_bt,
+                                                                      r.to(tl.int64) * topk, n0, end, d, de, BS, BN)
+            p, alpha, m_i, l_i = _softmax_step(q0, q1, q2, q3, qe, c0, c1, c2, c3, s0, s1, s2, s3, kpe, valid, m_i,
+                                               l_i, qk_scale_log2)
             if NACC == 4:
                 acc0 = acc0 * alpha[:, None] + tl.dot((p * s0[None, :]).to(tl.bfloat16), c0)
                 acc1 = acc1 * alpha[:, None] + tl.dot((p * s1[None, :]).to(tl.bfloat16), c1)
@@ -100,20 +131,10 @@ if triton is not None:
         inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         if NSPLIT == 1:
             orow = O + (r.to(tl.int64) * H + hh[:, None]) * 512 + pdv * (128 * NACC) + d[None, :]
-            tl.store(orow, (acc0 * inv[:, None]).to(tl.bfloat16))
-            if NACC >= 2:
-                tl.store(orow + 128, (acc1 * inv[:, None]).to(tl.bfloat16))
-            if NACC == 4:
-                tl.store(orow + 256, (acc2 * inv[:, None]).to(tl.bfloat16))
-                tl.store(orow + 384, (acc3 * inv[:, None]).to(tl.bfloat16))
+            _store_tiles(orow, acc0, acc1, acc2, acc3, inv, NACC, True)
         else:
             prow = OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + pdv * (128 * NACC) + d[None, :]
-            tl.store(prow, acc0 * inv[:, None])
-            if NACC >= 2:
-                tl.store(prow + 128, acc1 * inv[:, None])
-            if NACC == 4:
-                tl.store(prow + 256, acc2 * inv[:, None])
-                tl.store(prow + 384, acc3 * inv[:, None])
+            _store_tiles(prow, acc0, acc1, acc2, acc3, inv, NACC, False)
             if pdv == 0:
                 lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
                 tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
@@ -275,56 +296,22 @@ if triton is not None:
         de = tl.arange(0, 64)
         qrow = Q + (r.to(tl.int64) * H + hh[:, None]) * 576
         if not QLOOP:
-            q0 = tl.load(qrow + d[None, :])
-            q1 = tl.load(qrow + 128 + d[None, :])
-            q2 = tl.load(qrow + 256 + d[None, :])
-            q3 = tl.load(qrow + 384 + d[None, :])
-            qe = tl.load(qrow + 512 + de[None, :])
+            q0, q1, q2, q3, qe = _q_tiles(qrow, d, de)
         m_i = tl.full([BH], float("-inf"), tl.float32)
         l_i = tl.zeros([BH], tl.float32)
         acc0 = tl.zeros([BH, 128], tl.float32)
-        if NACC >= 2:
-            acc1 = tl.zeros([BH, 128], tl.float32)
-        if NACC == 4:
-            acc2 = tl.zeros([BH, 128], tl.float32)
-            acc3 = tl.zeros([BH, 128], tl.float32)
+        acc1 = tl.zeros([BH, 128], tl.float32)  # value tiles past NACC stay unused (dead, never loop-carried)
+        acc2 = tl.zeros([BH, 128], tl.float32)
+        acc3 = tl.zeros([BH, 128], tl.float32)
         start = sp * per_split
         end = tl.minimum(start + per_split, topk)
         for n0 in tl.range(start, end, BN, num_stages=NS):
-            nn = n0 + tl.arange(0, BN)
-            ids = tl.load(IDX + r.to(tl.int64) * topk + nn, mask=nn < end, other=-1)
-            valid = ids >= 0
-            blk = tl.load(BT + seq * stride_bt + ids // BS, mask=valid, other=0).to(tl.int64)
-            row = blk * BS + ids % BS
-            cp = KV8 + row[:, None] * 656 + d[None, :]
-            c0 = tl.load(cp, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            c1 = tl.load(cp + 128, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            c2 = tl.load(cp + 256, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            c3 = tl.load(cp + 384, mask=valid[:, None], other=0).to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
-            sp32 = KV32 + row * 164 + 128
-            s0 = tl.load(sp32, mask=valid, other=0.0)
-            s1 = tl.load(sp32 + 1, mask=valid, other=0.0)
-            s2 = tl.load(sp32 + 2, mask=valid, other=0.0)
-            s3 = tl.load(sp32 + 3, mask=valid, other=0.0)
-            kpe = tl.load(KV16 + row[:, None] * 328 + 264 + de[None, :], mask=valid[:, None], other=0.0)
+            valid, c0, c1, c2, c3, s0, s1, s2, s3, kpe = _gather_tile(KV8, KV32, KV16, BT, IDX, seq, stride_bt,
+                                                                      r.to(tl.int64) * topk, n0, end, d, de, BS, BN)
             if QLOOP:
-                q0 = tl.load(qrow + d[None, :])
-                q1 = tl.load(qrow + 128 + d[None, :])
-                q2 = tl.load(qrow + 256 + d[None, :])
-                q3 = tl.load(qrow + 384 + d[None, :])
-                qe = tl.load(qrow + 512 + de[None, :])
-            s = tl.dot(qe, tl.trans(kpe))
-            s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
-            s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
-            s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
-            s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
-            s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+                q0, q1, q2, q3, qe = _q_tiles(qrow, d, de)
+            p, alpha, m_i, l_i = _softmax_step(q0, q1, q2, q3, qe, c0, c1, c2, c3, s0, s1, s2, s3, kpe, valid, m_i,
+                                               l_i, qk_scale_log2)
             if NACC == 4:
                 acc0 = tl.dot((p * s0[None, :]).to(tl.bfloat16), c0, acc0 * alpha[:, None])
                 acc1 = tl.dot((p * s1[None, :]).to(tl.bfloat16), c1, acc1 * alpha[:, None])
@@ -351,20 +338,10 @@ if triton is not None:
         dv0 = pdv * (128 * NACC)
         if NSPLIT == 1:
             orow = O + (r.to(tl.int64) * H + hh[:, None]) * 512 + dv0 + d[None, :]
-            tl.store(orow, (acc0 * inv[:, None]).to(tl.bfloat16))
-            if NACC >= 2:
-                tl.store(orow + 128, (acc1 * inv[:, None]).to(tl.bfloat16))
-            if NACC == 4:
-                tl.store(orow + 256, (acc2 * inv[:, None]).to(tl.bfloat16))
-                tl.store(orow + 384, (acc3 * inv[:, None]).to(tl.bfloat16))
+            _store_tiles(orow, acc0, acc1, acc2, acc3, inv, NACC, True)
         else:
             prow = OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + dv0 + d[None, :]
-            tl.store(prow, acc0 * inv[:, None])
-            if NACC >= 2:
-                tl.store(prow + 128, acc1 * inv[:, None])
-            if NACC == 4:
-                tl.store(prow + 256, acc2 * inv[:, None])
-                tl.store(prow + 384, acc3 * inv[:, None])
+            _store_tiles(prow, acc0, acc1, acc2, acc3, inv, NACC, False)
             lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
             tl.store(LSE + ((r.to(tl.int64) * NSPLIT + sp) * NDV + pdv) * H + hh, lse)
             if FUSED:
