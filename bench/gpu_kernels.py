@@ -207,43 +207,10 @@ def indexer_section(args):
             torch.cuda.empty_cache()
             flush_json(args)
             continue
-        if True:
-            cap = bt.shape[1] * bs
-            rs = torch.arange(B, dtype=torch.int32, device=DEV)
-
-            def score2_only(bn=128, nw=4, pps=4):
-                G = itk._group_size(cap, topk, bn)
-                nt = (cap + bn - 1) // bn
-                ngcap = nt * (bn // G)
-                sc, gm = itk._WS2[(str(q.device), B, cap, ngcap)][:2]
-                want = max(1, pps * torch.cuda.get_device_properties(0).multi_processor_count // B)
-                tpp = max(1, (nt + want - 1) // want)
-                itk._score2_kernel[(B, (nt + tpp - 1) // tpp)](q, w.float(), codes, scales, bt, rs, cl, sc, gm,
-                                                               bt.stride(0), cap, ngcap, tpp, BS=bs, H=H, D=D, BN=bn,
-                                                               G=G, num_warps=nw, num_stages=1)
-            record("indexer", case, "triton v2 score kernel only (bn=128 warps=4)", shape, bytes_, flops,
-                   score2_only, reps=args.reps, note="stage timing: scores + group maxima, no selection")
-
-            def score3_only(tma=True, nw=4, ns=2, pps=4, one_dot=False):
-                G = itk._group_size(cap, topk, bs)
-                npg = cap // bs
-                ngcap = npg * (bs // G)
-                sc, gm = itk._WS3[(str(q.device), B, cap, ngcap)][:2]
-                kd = None
-                if tma:
-                    from triton.tools.tensor_descriptor import TensorDescriptor
-                    kd = TensorDescriptor.from_tensor(codes.view(-1, D).view(torch.float8_e4m3fn), [bs, 32])
-                want = max(1, pps * torch.cuda.get_device_properties(0).multi_processor_count // B)
-                ppp = max(1, (npg + want - 1) // want)
-                itk._score3_kernel[(B, (npg + ppp - 1) // ppp)](q, w.float(), codes, kd, scales.view(torch.int32), bt,
-                                                                rs, cl, sc, gm,
-                                                                bt.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=ns,
-                                                                TMA=tma, ONE_DOT=one_dot,
-                                                                PPB=1 << (ppp - 1).bit_length(), PAIR=1, num_warps=nw)
-            for od in (False, True):
-                record("indexer", case, f"triton v3 score kernel only (tma warps=4 stages=2 progs/SM=4 one_dot={od})",
-                       shape, bytes_, flops, lambda od=od: score3_only(one_dot=od), reps=args.reps,
-                       note="stage timing: scores + group maxima, no selection")
+        for cfg in (dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4), dict(impl="v3")):
+            record("indexer", case, f"triton {cfg['impl']} score kernel only ({cfg})", shape, bytes_, flops,
+                   lambda cfg=cfg: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, score_only=True, **cfg),
+                   reps=args.reps, note="stage timing: scores + group maxima, no selection")
         eager = lambda: iref.indexer_topk_decode_eager(q, w, codes, scales, bt, cl, topk, max_context_len=L)
         ei, ev = eager()
         echk = iref.check_topk(ei, ev.double(), full_cpu, lens, topk, rtol=1e-2)

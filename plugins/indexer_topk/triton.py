@@ -28,8 +28,9 @@ page; the page's four [BS, 32] code groups arrive by TMA (fp8 descriptor over th
 software-pipelined by tl.range; the four E8M0 scales load as one int32 per row (cp.async-able); a program's
 block-table entries load once up front. Same fp16 math as v2. Measured on the H200 (bench/results/
 gpu_kernels_2026-12-02_v3.json): score kernel 143 us vs v2's 191 us at B=32 L=64K, 17 us vs 24 us at B=1 L=128K.
-select="radix" swaps in `_select3_kernel` / `_final3_kernel` (4-bit radix select by comparison counts, optionally the
-final selection in the row's last program): correct, measured 4x slower than the bisection there, kept for the bench.
+Tried on the H200 and dropped (correct, slower; bench/results/gpu_kernels_2026-12-02_v3.json): radix selects (8-bit
+tl.histogram, 4-bit comparison counts; 4x slower than the bisection), the final selection in the row's last program,
+one K=128 dot instead of four chained K=32 dots (no gain).
 Power-of-two cache pages in [16, 256] only; other page sizes fall back to v2.
 `indexer_topk_decode_onnx_contract` adapts the output to kimi.IndexerTopK's contract (int64, sorted, -1 / -1e30).
 """
@@ -200,6 +201,24 @@ if triton is not None:
         return blk * BS + (pos % BS), valid
 
     @triton.jit
+    def _q_fp16(Q, W, r, h, d, H: tl.constexpr):
+        # q^T of row r as four [32, H] fp16 group tiles, scaled by a power of two into fp16 range (exact for bf16
+        # q), and the head weights with that power of two taken back out
+        qb = Q + r.to(tl.int64) * H * 128 + h[None, :] * 128 + d[:, None]
+        q0 = tl.load(qb + 0).to(tl.float32)
+        q1 = tl.load(qb + 32).to(tl.float32)
+        q2 = tl.load(qb + 64).to(tl.float32)
+        q3 = tl.load(qb + 96).to(tl.float32)
+        qmax = tl.max(tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), 1), 0)
+        qe = ((qmax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+        shift = tl.where(qmax > 0, 8 - qe, 0)
+        shift = tl.minimum(tl.maximum(shift, -120), 120)
+        qs = _pow2(shift)
+        wv = tl.load(W + r * H + h).to(tl.float32) * _pow2(-shift)
+        return ((q0 * qs).to(tl.float16), (q1 * qs).to(tl.float16), (q2 * qs).to(tl.float16),
+                (q3 * qs).to(tl.float16), wv)
+
+    @triton.jit
     def _score2_kernel(Q, W, KC, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, tiles_per_prog,
                        BS: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, G: tl.constexpr):
         # Per tile of BN keys: E4M3 codes -> fp16 (one cvt per 2 codes), each 32-group pre-scaled by
@@ -214,21 +233,7 @@ if triton is not None:
         h = tl.arange(0, H)
         d = tl.arange(0, 32)
         n = tl.arange(0, BN)
-        qb = Q + r.to(tl.int64) * H * D + h[None, :] * D + d[:, None]  # q^T group tiles [32, H]
-        q0 = tl.load(qb + 0).to(tl.float32)
-        q1 = tl.load(qb + 32).to(tl.float32)
-        q2 = tl.load(qb + 64).to(tl.float32)
-        q3 = tl.load(qb + 96).to(tl.float32)
-        qmax = tl.max(tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), 1), 0)
-        qe = ((qmax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-        shift = tl.where(qmax > 0, 8 - qe, 0)
-        shift = tl.minimum(tl.maximum(shift, -120), 120)
-        qs = _pow2(shift)
-        q0 = (q0 * qs).to(tl.float16)
-        q1 = (q1 * qs).to(tl.float16)
-        q2 = (q2 * qs).to(tl.float16)
-        q3 = (q3 * qs).to(tl.float16)
-        wv = tl.load(W + r * H + h).to(tl.float32) * _pow2(-shift)
+        q0, q1, q2, q3, wv = _q_fp16(Q, W, r, h, d, H)
         t0 = s * tiles_per_prog
         t1 = tl.minimum(t0 + tiles_per_prog, tl.cdiv(L, BN))
         row, valid = _tile_rows(BT, seq, stride_bt, t0, L, t1, n, BS, BN)
@@ -418,11 +423,11 @@ if triton is not None:
             _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, False, CH)
 
 
-    # ------------------------------------------------------------------ v3: paged TMA/pipelined score + radix select
+    # ------------------------------------------------------------------ v3: paged TMA/pipelined score
     @triton.jit
     def _score3_kernel(Q, W, KC, KD, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, ppp,
                        BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr,
-                       ONE_DOT: tl.constexpr, PPB: tl.constexpr, PAIR: tl.constexpr):
+                       PPB: tl.constexpr, PAIR: tl.constexpr):
         # One tile = one cache page (BS keys). The page's four 32-column code groups arrive by TMA (KD, a
         # [rows, 128] fp8 descriptor with a [BS, 32] box) or by plain loads (KC), software-pipelined NS deep by
         # tl.range; codes -> fp16 pre-scaled by 2^(e_g - e_max) (exact), four chained fp16 tensor-core dots
@@ -435,27 +440,7 @@ if triton is not None:
         h = tl.arange(0, H)
         d = tl.arange(0, 32)
         n = tl.arange(0, BS)
-        qb = Q + r.to(tl.int64) * H * 128 + h[None, :] * 128 + d[:, None]  # q^T group tiles [32, H]
-        q0 = tl.load(qb + 0).to(tl.float32)
-        q1 = tl.load(qb + 32).to(tl.float32)
-        q2 = tl.load(qb + 64).to(tl.float32)
-        q3 = tl.load(qb + 96).to(tl.float32)
-        qmax = tl.max(tl.max(tl.maximum(tl.maximum(tl.abs(q0), tl.abs(q1)), tl.maximum(tl.abs(q2), tl.abs(q3))), 1), 0)
-        qe = ((qmax.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-        shift = tl.where(qmax > 0, 8 - qe, 0)
-        shift = tl.minimum(tl.maximum(shift, -120), 120)
-        qs = _pow2(shift)
-        q0 = (q0 * qs).to(tl.float16)
-        q1 = (q1 * qs).to(tl.float16)
-        q2 = (q2 * qs).to(tl.float16)
-        q3 = (q3 * qs).to(tl.float16)
-        wv = tl.load(W + r * H + h).to(tl.float32) * _pow2(-shift)
-        if ONE_DOT:
-            dd = tl.arange(0, 128)
-            qcat = (tl.load(Q + r.to(tl.int64) * H * 128 + h[None, :] * 128 + dd[:, None]).to(tl.float32) * qs)
-            qcat = qcat.to(tl.float16)
-        else:
-            qcat = q0
+        q0, q1, q2, q3, wv = _q_fp16(Q, W, r, h, d, H)
         p0 = s * ppp
         p1 = tl.minimum(p0 + ppp, tl.cdiv(L, BS))
         obase = r.to(tl.int64) * cap
@@ -470,7 +455,7 @@ if triton is not None:
                     blk = tl.sum(tl.where(pa == pg - p0, btv, 0), 0)
                 else:
                     blk = tl.load(BT + seq * stride_bt + pg, mask=live, other=0)
-                sc, emax = _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, qcat, BS, TMA, ONE_DOT)
+                sc, emax = _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, BS, TMA)
                 sc = tl.sum(tl.maximum(sc, 0.0) * wv[None, :], 1) * _pow2(emax - 127)
                 pos = pg * BS + n
                 valid = (pos < L) & live
@@ -480,8 +465,7 @@ if triton is not None:
                          mask=live & (tl.arange(0, BS // G) >= 0))
 
     @triton.jit
-    def _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, qcat, BS: tl.constexpr, TMA: tl.constexpr,
-                     ONE_DOT: tl.constexpr):
+    def _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, BS: tl.constexpr, TMA: tl.constexpr):
         # one cache page: [BS, H] logits (fp32, before relu / weights / the 2^(emax-127) factor) and emax [BS]
         row0 = blk * BS
         if TMA:
@@ -505,178 +489,11 @@ if triton is not None:
         a1 = c1.to(tl.float16) * _pow2(e1 - emax).to(tl.float16)[:, None]
         a2 = c2.to(tl.float16) * _pow2(e2 - emax).to(tl.float16)[:, None]
         a3 = c3.to(tl.float16) * _pow2(e3 - emax).to(tl.float16)[:, None]
-        if ONE_DOT:  # one K=128 dot: the four [BS, 32] groups joined along K
-            a = tl.join(tl.join(a0, a2), tl.join(a1, a3))  # [n, d, i, j] = group 2i + j, column d
-            a = tl.reshape(tl.permute(a, (0, 2, 3, 1)), [BS, 128])
-            acc = tl.dot(a, qcat)
-        else:
-            acc = tl.dot(a0, q0)
-            acc = tl.dot(a1, q1, acc)
-            acc = tl.dot(a2, q2, acc)
-            acc = tl.dot(a3, q3, acc)
+        acc = tl.dot(a0, q0)
+        acc = tl.dot(a1, q1, acc)
+        acc = tl.dot(a2, q2, acc)
+        acc = tl.dot(a3, q3, acc)
         return acc, emax
-
-    @triton.jit
-    def _nibble_counts(keys, m, prefix, STEP: tl.constexpr):
-        # counts [16] of nibble STEP (0 = most significant, sign-adjusted) of the keys whose higher nibbles equal
-        # `prefix`, by comparison against the 16 digit values ([N, 16] tile, one reduction; tl.histogram's
-        # per-bin loop measured ~4x slower here)
-        b16 = tl.arange(0, 16)
-        if STEP == 0:
-            member = m
-            digit = ((keys >> 28) + 8) & 15
-        else:
-            member = m & ((keys >> (32 - 4 * STEP)) == prefix)
-            digit = (keys >> (28 - 4 * STEP)) & 15
-        return tl.sum(((digit[:, None] == b16[None, :]) & member[:, None]).to(tl.int32), 0)
-
-    @triton.jit
-    def _radix_kth(SRC, base, n, keys, m, target, NSTEP: tl.constexpr, INREG: tl.constexpr, CH: tl.constexpr):
-        # radix select over 4-bit digits, NSTEP steps: returns (P, krem), P = the top 4*NSTEP bits (arithmetic
-        # key >> (32 - 4 NSTEP)) of the target-th largest key, krem = how many keys with that prefix are needed.
-        # INREG: keys/m are the n keys in registers; else they are read from SRC + base in chunks of CH.
-        P = target * 0
-        krem = target
-        for st in tl.static_range(NSTEP):
-            if INREG:
-                cnt = _nibble_counts(keys, m, P, st)
-            else:
-                cnt = tl.zeros([16], tl.int32)
-                for i in range(0, n, CH):
-                    a = i + tl.arange(0, CH)
-                    mm = a < n
-                    k = _key(tl.load(SRC + base + a, mask=mm, other=0.0, cache_modifier=".cg"))
-                    cnt += _nibble_counts(k, mm, P, st)
-            t, krem = _find_bin(cnt, krem, 16)
-            if st == 0:
-                P = t - 8
-            else:
-                P = (P << 4) | t
-        return P, krem
-
-    @triton.jit
-    def _select3_kernel(SC, GM, CS, CP, CNT, ARR, ROW_LEN, OUT_I, OUT_S, cap, ngcap, chunk, topk,
-                        G: tl.constexpr, NGB: tl.constexpr, BLK: tl.constexpr, CH: tl.constexpr, KP2: tl.constexpr,
-                        FUSED: tl.constexpr):
-        # Candidates, then (FUSED: in the last program of the row to arrive; else `_final3_kernel`) the exact
-        # selection:
-        # 1. T = top 16 bits of the keff-th largest group max (four 4-bit radix steps over the group maxima): at
-        #    least keff scores are >= T, so every top-keff score is a candidate; each program appends the
-        #    candidates of its slice (atomic slot counter).
-        # 2. the last program (acq_rel arrival counter) selects exactly: 8-step radix select for the keff-th
-        #    largest key among the candidates, ties to the lower positions (bisection on position, only when
-        #    ties straddle the cut), slots by cumsum. Counters reset themselves.
-        r = tl.program_id(0)
-        s = tl.program_id(1)
-        L = tl.load(ROW_LEN + r)
-        keff = tl.minimum(L, topk)
-        ng = tl.cdiv(L, G)
-        gbase = r.to(tl.int64) * ngcap
-        ga = tl.arange(0, NGB)
-        if ng <= NGB:
-            gm_in = ga < ng
-            gk = tl.where(gm_in, _key(tl.load(GM + gbase + ga, mask=gm_in, other=0.0)), -2147483648)
-            P, _k = _radix_kth(GM, gbase, ng, gk, gm_in, keff, 4, True, NGB)
-        else:
-            P, _k = _radix_kth(GM, gbase, ng, ga, ga < 0, keff, 4, False, NGB)
-        T = tl.where(ng >= keff, P << 16, -2147483648)
-        p0 = s * chunk
-        p1 = tl.minimum(p0 + chunk, L)
-        cbase = r.to(tl.int64) * cap
-        for b0 in range(p0, p1, BLK):
-            pos = b0 + tl.arange(0, BLK)
-            valid = pos < p1
-            x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
-            mk = valid & (_key(x) >= T)
-            mi = mk.to(tl.int32)
-            base = tl.atomic_add(CNT + r, tl.sum(mi, 0), sem="relaxed")
-            slot = base + tl.cumsum(mi, 0) - 1
-            tl.store(CS + cbase + slot, x, mask=mk)
-            tl.store(CP + cbase + slot, pos, mask=mk)
-        if FUSED:
-            tl.debug_barrier()
-            old = tl.atomic_add(ARR + r, 1, sem="acq_rel")
-            if old == tl.num_programs(1) - 1:
-                tl.store(ARR + r, 0)
-                _final_select(CS, CP, CNT, OUT_I, OUT_S, r, L, keff, cbase, topk, CH, KP2)
-
-    @triton.jit
-    def _final3_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, CH: tl.constexpr, KP2: tl.constexpr):
-        r = tl.program_id(0)
-        L = tl.load(ROW_LEN + r)
-        _final_select(CS, CP, CNT, OUT_I, OUT_S, r, L, tl.minimum(L, topk), r.to(tl.int64) * cap, topk, CH, KP2)
-
-    @triton.jit
-    def _final_select(CS, CP, CNT, OUT_I, OUT_S, r, L, keff, cbase, topk, CH: tl.constexpr, KP2: tl.constexpr):
-        # exact top-keff among the row's candidates: 8-step (4-bit) radix select for the keff-th largest key, ties to
-        # the lower positions (bisection on position, only when ties straddle the cut), slots by cumsum; resets
-        # the row's candidate counter.
-        nc = tl.atomic_xchg(CNT + r, 0)
-        obase = r.to(tl.int64) * topk
-        kk = tl.arange(0, KP2)
-        pm = (kk >= keff) & (kk < topk)
-        tl.store(OUT_I + obase + kk, tl.full([KP2], -1, tl.int32), mask=pm)
-        tl.store(OUT_S + obase + kk, tl.full([KP2], float("-inf"), tl.float32), mask=pm)
-        target = tl.minimum(keff, nc)
-        if target > 0:
-            ar = tl.arange(0, CH)
-            if nc <= CH:
-                m = ar < nc
-                kr = tl.where(m, _key(tl.load(CS + cbase + ar, mask=m, other=0.0, cache_modifier=".cg")),
-                              -2147483648)
-                pr = tl.load(CP + cbase + ar, mask=m, other=0, cache_modifier=".cg")
-                tk, need = _radix_kth(CS, cbase, nc, kr, m, target, 8, True, CH)
-                eq = m & (kr == tk)
-                neq = tl.sum(eq.to(tl.int32), 0)
-                plo = L * 0
-                phi = tl.where(neq > need, L, 0)
-                while plo < phi:
-                    pmid = plo + (phi - plo) // 2
-                    c = tl.sum((eq & (pr <= pmid)).to(tl.int32), 0)
-                    ok = c >= need
-                    phi = tl.where(ok, pmid, phi)
-                    plo = tl.where(ok, plo, pmid + 1)
-                sel = m & ((kr > tk) | (eq & ((pr <= plo) | (neq <= need))))
-                slot = tl.cumsum(sel.to(tl.int32), 0) - 1
-                tl.store(OUT_I + obase + slot, pr, mask=sel)
-                tl.store(OUT_S + obase + slot, _unkey(kr), mask=sel)
-            else:
-                tk, need = _radix_kth(CS, cbase, nc, ar, ar < 0, target, 8, False, CH)
-                neq = L * 0
-                for i in range(0, nc, CH):
-                    a2 = i + ar
-                    m2 = a2 < nc
-                    k = tl.where(m2, _key(tl.load(CS + cbase + a2, mask=m2, other=0.0, cache_modifier=".cg")),
-                                 -2147483648)
-                    neq += tl.sum((m2 & (k == tk)).to(tl.int32), 0)
-                plo = L * 0
-                phi = tl.where(neq > need, L, 0)
-                while plo < phi:
-                    pmid = plo + (phi - plo) // 2
-                    c = L * 0
-                    for i in range(0, nc, CH):
-                        a2 = i + ar
-                        m2 = a2 < nc
-                        k = tl.where(m2, _key(tl.load(CS + cbase + a2, mask=m2, other=0.0,
-                                                      cache_modifier=".cg")), -2147483648)
-                        p = tl.load(CP + cbase + a2, mask=m2, other=0, cache_modifier=".cg")
-                        c += tl.sum((m2 & (k == tk) & (p <= pmid)).to(tl.int32), 0)
-                    ok = c >= need
-                    phi = tl.where(ok, pmid, phi)
-                    plo = tl.where(ok, plo, pmid + 1)
-                done = L * 0
-                for i in range(0, nc, CH):
-                    a2 = i + ar
-                    m2 = a2 < nc
-                    k = tl.where(m2, _key(tl.load(CS + cbase + a2, mask=m2, other=0.0, cache_modifier=".cg")),
-                                 -2147483648)
-                    p = tl.load(CP + cbase + a2, mask=m2, other=0, cache_modifier=".cg")
-                    sel = m2 & ((k > tk) | ((k == tk) & ((p <= plo) | (neq <= need))))
-                    si = sel.to(tl.int32)
-                    slot = done + tl.cumsum(si, 0) - 1
-                    tl.store(OUT_I + obase + slot, p, mask=sel)
-                    tl.store(OUT_S + obase + slot, _unkey(k), mask=sel)
-                    done += tl.sum(si, 0)
 
 
 _WS: dict = {}
@@ -710,9 +527,16 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
                   impl: str = "v3", num_stages: int | None = None, tma: bool | None = None, **v3):
     if triton is None:
         raise RuntimeError("indexer_topk Triton kernels need triton and a CUDA GPU")
+    if impl not in ("v1", "v2", "v3"):
+        raise ValueError(f"indexer_topk: impl must be 'v1', 'v2' or 'v3', got {impl!r}")
     R, H, D = q.shape
-    assert D == 128 and k_codes.shape[-1] == D and k_scales.shape[-1] == D // 32, "index head dim must be 128"
-    assert q.dtype == torch.bfloat16 and k_codes.dtype == torch.uint8 and k_scales.dtype == torch.uint8
+    if D != 128 or k_codes.shape[-1] != 128 or k_scales.shape[-1] != 4:
+        raise ValueError(f"indexer_topk: index head dim must be 128 (q {tuple(q.shape)}, k_codes "
+                         f"{tuple(k_codes.shape)}, k_scales {tuple(k_scales.shape)} with 4 E8M0 scales per row)")
+    for name, t, want in (("q", q, torch.bfloat16), ("k_codes", k_codes, torch.uint8),
+                          ("k_scales", k_scales, torch.uint8)):
+        if t.dtype != want:
+            raise ValueError(f"indexer_topk: {name} must be {want}, got {t.dtype}")
     bs = k_codes.shape[1]
     if impl == "v3" and not (bs & (bs - 1) == 0 and 16 <= bs <= 256):
         impl = "v2"  # v3 tiles by cache page: power-of-two pages only
@@ -722,7 +546,8 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
     num_stages = num_stages or 2
     if impl == "v2":
         return _indexer_topk_v2(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk,
-                                bn or 128, num_warps, progs_per_sm or 2, out, num_stages)
+                                bn or 128, num_warps, progs_per_sm or 2, out, num_stages,
+                                score_only=v3.get("score_only", False))
     bn = bn or 64
     progs_per_sm = progs_per_sm or 4
     score_k, select_k = _score_kernel, _select_kernel
@@ -762,10 +587,46 @@ def _group_size(cap: int, topk: int, bn: int) -> int:
     return min(g, bn)
 
 
+def _threshold_workspace(dev, R: int, cap: int, ngcap: int):
+    """(scores, group maxima, candidate scores, candidate positions, candidate counters), cached per shape; the
+    counters reset themselves, so a workspace must not serve two calls in flight on different streams."""
+    key = (str(dev), R, cap, ngcap)
+    ws = _WS2.get(key)
+    if ws is None:
+        f32 = dict(dtype=torch.float32, device=dev)
+        ws = (torch.empty(R, cap, **f32), torch.empty(R, ngcap, **f32), torch.empty(R, cap, **f32),
+              torch.empty(R, cap, dtype=torch.int32, device=dev), torch.zeros(R, dtype=torch.int32, device=dev))
+        _WS2[key] = ws
+    return ws
+
+
+def _outputs(R: int, topk: int, dev, out):
+    if out is None:
+        out = (torch.empty(R, topk, dtype=torch.int32, device=dev),
+               torch.empty(R, topk, dtype=torch.float32, device=dev))
+    return out
+
+
+def _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps=4, final_warps=8):
+    """`_cand_kernel` (threshold from the group maxima + candidate compaction) then `_final_kernel` (exact
+    selection among the candidates, typically ~1.2-1.5 x topk of them)."""
+    sc, gm, cs, cp, cnt = ws
+    R = row_len.shape[0]
+    blk = 2048
+    s2 = max(1, min(triton.cdiv(cap, blk), (2 * nsm) // max(R, 1)))
+    chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
+    ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
+    _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
+                                                NGB=ngb, BLK=blk, num_warps=cand_warps)
+    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, CH=4096,
+                        KP2=triton.next_power_of_2(topk), num_warps=final_warps)
+    return out_i, out_s
+
+
 def _indexer_topk_v2(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, bn, num_warps,
-                     progs_per_sm, out, num_stages):
+                     progs_per_sm, out, num_stages, score_only=False):
     """Three launches: score (+ group maxima), threshold + candidate compaction, exact selection among the
-    candidates. No histograms; candidates are typically ~1.2-1.5 x topk."""
+    candidates. No histograms."""
     R, H, D = q.shape
     bs = k_codes.shape[1]
     q = q.contiguous()
@@ -773,38 +634,18 @@ def _indexer_topk_v2(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     G = _group_size(cap, topk, bn)
     ntiles = triton.cdiv(cap, bn)
     ngcap = ntiles * (bn // G)
-    key = (str(q.device), R, cap, ngcap)
-    ws = _WS2.get(key)
-    if ws is None:
-        dev = q.device
-        ws = (torch.empty(R, cap, dtype=torch.float32, device=dev), torch.empty(R, ngcap, dtype=torch.float32, device=dev),
-              torch.empty(R, cap, dtype=torch.float32, device=dev), torch.empty(R, cap, dtype=torch.int32, device=dev),
-              torch.zeros(R, dtype=torch.int32, device=dev))
-        _WS2[key] = ws
-    sc, gm, cs, cp, cnt = ws
-    if out is None:
-        out = (torch.empty(R, topk, dtype=torch.int32, device=q.device),
-               torch.empty(R, topk, dtype=torch.float32, device=q.device))
-    out_i, out_s = out
+    ws = _threshold_workspace(q.device, R, cap, ngcap)
+    out_i, out_s = _outputs(R, topk, q.device, out)
     nsm = _num_sms(q.device)
     want = max(1, (progs_per_sm * nsm) // max(R, 1))
     tpp = max(1, triton.cdiv(ntiles, want))
     splits = triton.cdiv(ntiles, tpp)
-    _score2_kernel[(R, splits)](q, weights, k_codes, k_scales, block_table, row_seq, row_len, sc, gm,
+    _score2_kernel[(R, splits)](q, weights, k_codes, k_scales, block_table, row_seq, row_len, ws[0], ws[1],
                                 block_table.stride(0), cap, ngcap, tpp, BS=bs, H=H, D=D, BN=bn, G=G,
                                 num_warps=num_warps, num_stages=num_stages)
-    blk = 2048
-    s2 = max(1, min(triton.cdiv(cap, blk), (2 * nsm) // max(R, 1)))
-    chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
-    ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
-    _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
-                                                NGB=ngb, BLK=blk, num_warps=4)
-    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, CH=4096,
-                        KP2=triton.next_power_of_2(topk), num_warps=8)
-    return out_i, out_s
-
-
-_WS3: dict = {}
+    if score_only:  # stage timing in the bench: scores + group maxima in the workspace, no selection
+        return ws[0], ws[1]
+    return _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm)
 
 
 def _tma_ok(k_codes: torch.Tensor) -> bool:
@@ -816,10 +657,10 @@ def _tma_ok(k_codes: torch.Tensor) -> bool:
 
 
 def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, num_warps,
-                     progs_per_sm, out, num_stages, tma, select="bisect", fused_select=False, one_dot=False,
-                     prefetch_bt=True, cand_warps=4, final_warps=8, pair=None):
-    """`_score3_kernel` (one page per tile, TMA or plain loads pipelined num_stages deep), then select="bisect":
-    v2's `_cand_kernel` + `_final_kernel`; select="radix": `_select3_kernel` (+ `_final3_kernel` unless fused)."""
+                     progs_per_sm, out, num_stages, tma, prefetch_bt=True, cand_warps=4, final_warps=8, pair=None,
+                     score_only=False):
+    """`_score3_kernel` (one page per tile, TMA or plain loads pipelined num_stages deep), then v2's
+    `_cand_kernel` + `_final_kernel`."""
     R, H, D = q.shape
     bs = k_codes.shape[1]
     if bs & (bs - 1) or not 16 <= bs <= 256:
@@ -830,59 +671,27 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     npages = triton.cdiv(cap, bs)
     ngcap = npages * (bs // G)
     dev = q.device
-    key = (str(dev), R, cap, ngcap)
-    ws = _WS3.get(key)
-    if ws is None:
-        f32 = dict(dtype=torch.float32, device=dev)
-        ws = (torch.empty(R, cap, **f32), torch.empty(R, ngcap, **f32),
-              torch.empty(R, cap, **f32), torch.empty(R, cap, dtype=torch.int32, device=dev),
-              torch.zeros(R, dtype=torch.int32, device=dev), torch.zeros(R, dtype=torch.int32, device=dev))
-        _WS3[key] = ws
-    sc, gm, cs, cp, cnt, arr = ws
-    if out is None:
-        out = (torch.empty(R, topk, dtype=torch.int32, device=dev),
-               torch.empty(R, topk, dtype=torch.float32, device=dev))
-    out_i, out_s = out
+    ws = _threshold_workspace(dev, R, cap, ngcap)
+    out_i, out_s = _outputs(R, topk, dev, out)
     kd = None
     if tma is None:
         tma = _tma_ok(k_codes)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         kd = TensorDescriptor.from_tensor(k_codes.view(-1, D).view(torch.float8_e4m3fn), [bs, 32])
-    nsm = _num_sms(dev) if dev.type == "cuda" else 4
+    nsm = _num_sms(dev)
     want = max(1, (progs_per_sm * nsm) // max(R, 1))
     ppp = max(1, triton.cdiv(npages, want))
     ppb = triton.next_power_of_2(ppp) if prefetch_bt and ppp <= 64 else 0
     if pair is None:  # two pages per iteration pays off with many rows (B=32: 162 vs 174 us), not at B=1 (42 vs 37)
         pair = 2 if R >= 8 else 1
     _score3_kernel[(R, triton.cdiv(npages, ppp))](q, weights, k_codes, kd, k_scales.view(torch.int32), block_table,
-                                                  row_seq, row_len,
-                                                  sc, gm, block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G,
-                                                  NS=num_stages, TMA=bool(tma), ONE_DOT=one_dot, PPB=ppb, PAIR=pair,
-                                                  num_warps=num_warps)
-    if select == "bisect":  # v2's threshold + candidates and exact selection (measured fastest)
-        blk = 2048
-        s2 = max(1, min(triton.cdiv(cap, blk), (2 * nsm) // max(R, 1)))
-        chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
-        ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
-        _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
-                                                    NGB=ngb, BLK=blk, num_warps=cand_warps)
-        _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, CH=4096,
-                            KP2=triton.next_power_of_2(topk), num_warps=final_warps)
-        return out_i, out_s
-    if select != "radix":
-        raise ValueError(f"indexer v3: select must be 'bisect' or 'radix', got {select!r}")
-    blk = 1024
-    s2 = max(1, min(triton.cdiv(cap, blk), (2 * nsm) // max(R, 1)))
-    chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
-    ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
-    _select3_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, arr, row_len, out_i, out_s, cap, ngcap, chunk,
-                                                   topk, G=G, NGB=ngb, BLK=blk, CH=4096,
-                                                   KP2=triton.next_power_of_2(topk), FUSED=fused_select, num_warps=8)
-    if not fused_select:
-        _final3_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, CH=4096, KP2=triton.next_power_of_2(topk),
-                             num_warps=8)
-    return out_i, out_s
+                                                  row_seq, row_len, ws[0], ws[1], block_table.stride(0), cap, ngcap,
+                                                  ppp, BS=bs, H=H, G=G, NS=num_stages, TMA=bool(tma), PPB=ppb,
+                                                  PAIR=pair, num_warps=num_warps)
+    if score_only:  # stage timing in the bench: scores + group maxima in the workspace, no selection
+        return ws[0], ws[1]
+    return _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps, final_warps)
 
 
 def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
@@ -892,10 +701,8 @@ def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.T
                         tma: bool | None = None, **v3) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, 128] bf16, weights [B, H] f32, k_codes [NB, BS, 128] u8, k_scales [NB, BS, 4] u8,
     block_table [B, MB] i32, context_lens [B] i32 -> (indices [B, topk] i32 (-1 pad), scores [B, topk] f32).
-    impl "v3" keywords: select ("bisect": v2's candidate + bisection kernels, default and measured fastest; "radix":
-    4-bit radix select kernels), fused_select (radix: final selection in the last candidate program), one_dot (one
-    K=128 dot), prefetch_bt (a program's block-table entries loaded once, default), pair (pages per loop iteration;
-    default 2 for >= 8 rows, else 1)."""
+    impl "v3" keywords: prefetch_bt (a program's block-table entries loaded once, default), pair (pages per loop
+    iteration; default 2 for >= 8 rows, else 1), cand_warps / final_warps (warps of the two select kernels)."""
     B = q.shape[0]
     cap = block_table.shape[1] * k_codes.shape[1]
     return _indexer_topk(q, weights, k_codes, k_scales, block_table, _arange(B, q.device),

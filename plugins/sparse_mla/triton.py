@@ -403,12 +403,18 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
                 num_stages=1, out=None, impl="v1", **v4):
     if triton is None:
         raise RuntimeError("sparse_mla Triton kernels need triton and a CUDA GPU")
+    R, H, Dq = q.shape
+    if Dq != 576 or kv_cache.shape[-1] != 656 or kv_cache.dtype != torch.uint8:
+        raise ValueError(f"sparse_mla: q must be [R, H, 576] and kv_cache uint8 [NB, BS, 656] (FP8 tile-128 rows), got "
+                         f"q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
     if impl == "v4":
         return _sparse_mla_v4(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit, bn, nacc,
                               num_warps=num_warps, num_stages=num_stages, out=out, **v4)
-    R, H, Dq = q.shape
-    assert nacc in (2, 4), "nacc (value tiles of 128 per program) must be 4 or 2"
-    assert Dq == 576 and kv_cache.shape[-1] == 656 and kv_cache.dtype == torch.uint8 and H % 64 == 0
+    if impl not in ("v1", "v2", "v3"):
+        raise ValueError(f"sparse_mla: impl must be 'v1', 'v2', 'v3' or 'v4', got {impl!r}")
+    if nacc not in (2, 4) or H % 64:
+        raise ValueError(f"sparse_mla {impl}: nacc (value tiles of 128 per program) must be 4 or 2 and the head count "
+                         f"a multiple of 64, got nacc={nacc}, H={H}")
     q = q.contiguous()
     indices = indices.to(torch.int32).contiguous()
     topk = indices.shape[1]

@@ -342,3 +342,20 @@ def test_kda_prefill_fused():
                                        gate_in_fla=gate_in_fla)
         assert rel(out, ref) < 1e-2, gate_in_fla
         assert rel(S, rS) < 1e-2, gate_in_fla
+
+
+def test_bad_input_names_the_field():
+    q = torch.randn(2, 64, 128, device=DEV).bfloat16()
+    w = torch.randn(2, 64, device=DEV)
+    codes = torch.zeros(4, 64, 128, dtype=torch.uint8, device=DEV)
+    scales = torch.zeros(4, 64, 4, dtype=torch.uint8, device=DEV)
+    bt = torch.zeros(2, 2, dtype=torch.int32, device=DEV)
+    cl = torch.tensor([100, 50], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="q must be torch.bfloat16"):
+        itk.indexer_topk_decode(q.float(), w, codes, scales, bt, cl, 16)
+    with pytest.raises(ValueError, match="impl must be"):
+        itk.indexer_topk_decode(q, w, codes, scales, bt, cl, 16, impl="v9")
+    with pytest.raises(ValueError, match="kv_cache uint8"):
+        mtk.sparse_mla_decode(torch.randn(1, 64, 512, device=DEV).bfloat16(),
+                              torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEV), bt[:1],
+                              torch.zeros(1, 8, dtype=torch.int32, device=DEV))
