@@ -56,6 +56,25 @@ def stored_weight(v: ir.Value | None) -> ir.Value | None:
     return w
 
 
+def static_last(v: ir.Value) -> int | None:
+    """The static size of v's last axis, else None."""
+    if v.shape is None or len(v.shape) == 0:
+        return None
+    d = v.shape[-1]
+    return d if isinstance(d, int) else None
+
+
+def is_const(v: ir.Value | None) -> bool:
+    """Whether const(v) would return a value, without materializing it (const() converts a stored bf16 weight to a
+    new float32 array)."""
+    if v is None:
+        return False
+    if v.const_value is not None or stored_weight(v) is not None:
+        return True
+    n = v.producer()
+    return n is not None and n.op_type == "Constant" and n.domain == ""
+
+
 def const(v: ir.Value | None) -> np.ndarray | None:
     """The constant value of `v` (initializer, Constant node, or Cast to float32 of a bf16/fp16 initializer, which
     is exact), else None."""

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, producer, weight_like
+from kimi_compile.rewrite import Builder, FusionPass, Refuse, attr, const, consumers, is_const, producer, weight_like
 
 
 class FuseAttnResPass(FusionPass):
@@ -67,7 +67,7 @@ class FuseAttnResPass(FusionPass):
             raise Refuse("no_weighted_sum")
         mix = red[0].outputs[0]
         norm = consumers(mix)
-        if len(norm) != 1 or norm[0].op_type != "RMSNormalization" or const(norm[0].inputs[1]) is None:
+        if len(norm) != 1 or norm[0].op_type != "RMSNormalization" or not is_const(norm[0].inputs[1]):
             raise Refuse("no_following_norm", "the mix feeds something other than one RMSNorm")
         return dict(bank=sources[:-1], partial=sources[-1], w=w_eff, eps=float(np.ravel(eps)[0]), cat=cat,
                     norm=norm[0])

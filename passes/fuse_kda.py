@@ -34,6 +34,7 @@ from kimi_compile.rewrite import (
     attr,
     const,
     consumers,
+    is_const,
     producer,
     sole_consumer,
     weight_like,
@@ -49,9 +50,9 @@ def _through(v: ir.Value, *ops: str) -> ir.Value:
 def _binary_const(n: ir.Node) -> tuple[ir.Value, np.ndarray] | None:
     """(the non-constant operand, the constant operand) of a binary node, else None."""
     a, b = n.inputs[0], n.inputs[1]
-    if const(b) is not None and const(a) is None:
+    if is_const(b) and not is_const(a):
         return a, const(b)
-    if const(a) is not None and const(b) is None:
+    if is_const(a) and not is_const(b):
         return b, const(a)
     return None
 
@@ -65,7 +66,7 @@ def _scalar(arr: np.ndarray | None, reason: str) -> float:
 def _linear(v: ir.Value, reason: str) -> tuple[ir.Value, ir.Value]:
     """v = MatMul(x, w) with w constant -> (x, w)."""
     mm = producer(_through(v, "Reshape"), "MatMul", reason)
-    if const(mm.inputs[1]) is None:
+    if not is_const(mm.inputs[1]):
         raise Refuse(reason, f"weight of {mm.name!r} is not constant")
     return mm.inputs[0], mm.inputs[1]
 
@@ -218,22 +219,22 @@ class FuseKDAPass(FusionPass):
         m["lower_bound"] = _scalar(split[1], r)
         am = producer(producer(split[0], "Sigmoid", r).inputs[0], "Mul", r)
         a_v, fb_v = am.inputs
-        if const(a_v) is None and (a_v.producer() is None or a_v.producer().op_type != "Exp"):
+        if not is_const(a_v) and (a_v.producer() is None or a_v.producer().op_type != "Exp"):
             a_v, fb_v = fb_v, a_v
-        if const(a_v) is not None:
+        if is_const(a_v):
             a_log = np.log(const(a_v).astype(np.float64)).reshape(-1)
             m["A_log"] = None, a_log
         else:
             ex = producer(a_v, "Exp", r)
-            if const(ex.inputs[0]) is None:
+            if not is_const(ex.inputs[0]):
                 raise Refuse(r, "A_log is not constant")
             m["A_log"] = ex.inputs[0], None
         add = producer(fb_v, "Add", r)
         split = _binary_const(add)
         if split is None:
             raise Refuse(r, "no constant dt_bias")
-        f_v = [vv for vv in add.inputs if const(vv) is None][0]
-        m["dt_bias"] = [vv for vv in add.inputs if const(vv) is not None][0]
+        f_v = [vv for vv in add.inputs if not is_const(vv)][0]
+        m["dt_bias"] = [vv for vv in add.inputs if is_const(vv)][0]
         fa_out, m["w_f_b"] = _linear(f_v, r)
         fx, m["w_f_a"] = _linear(fa_out, r)
         if fx is not x:
@@ -261,7 +262,7 @@ class FuseKDAPass(FusionPass):
         # output: RMSNorm(o) * sigmoid(gate) -> o_proj
         norm = sole_consumer(rec.outputs[0], "no_output_norm")
         if norm.op_type != "RMSNormalization" or attr(norm, "axis", -1) not in (-1, 3) or \
-                const(norm.inputs[1]) is None or (len(norm.inputs) > 2 and norm.inputs[2] is not None):
+                not is_const(norm.inputs[1]) or (len(norm.inputs) > 2 and norm.inputs[2] is not None):
             raise Refuse("no_output_norm", f"{rec.outputs[0].name!r} is not RMS-normalised per head")
         m.update(o_norm=norm.inputs[1], eps=float(attr(norm, "epsilon", 1e-5)))
         gm = sole_consumer(norm.outputs[0], "no_output_gate")
@@ -274,7 +275,7 @@ class FuseKDAPass(FusionPass):
         rs = sole_consumer(gm.outputs[0], "no_output_proj")
         proj = sole_consumer(rs.outputs[0], "no_output_proj") if rs.op_type == "Reshape" else None
         if proj is None or proj.op_type != "MatMul" or proj.inputs[0] is not rs.outputs[0] or \
-                const(proj.inputs[1]) is None:
+                not is_const(proj.inputs[1]):
             raise Refuse("no_output_proj")
         m.update(w_o=proj.inputs[1], out=proj.outputs[0])
         H, D = np.size(const(m["A_log"][0]) if m["A_log"][1] is None else m["A_log"][1]), np.size(const(m["o_norm"]))

@@ -26,8 +26,8 @@ import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
 from kimi_compile.passes.fuse_kda import _binary_const, _scalar
-from kimi_compile.rewrite import (Builder, FusionPass, Refuse, attr, const, consumers, producer, sole_consumer,
-                                  weight_like)
+from kimi_compile.rewrite import (Builder, FusionPass, Refuse, attr, const, consumers, is_const, producer,
+                                  sole_consumer, weight_like)
 
 
 def _eq(n: ir.Node) -> str:
@@ -65,7 +65,7 @@ def _bounded(v: ir.Value, reason: str) -> tuple[ir.Value, float]:
         raise Refuse(reason, "no constant beta")
     div = producer(producer(split[0], "Tanh", reason).inputs[0], "Div", reason)
     c = _scalar(split[1], reason)
-    if const(div.inputs[1]) is None or _scalar(const(div.inputs[1]), reason) != c:
+    if not is_const(div.inputs[1]) or _scalar(const(div.inputs[1]), reason) != c:
         raise Refuse(reason, "tanh soft cap with two different betas")
     return div.inputs[0], c
 
@@ -117,7 +117,7 @@ class FuseMoEPass(FusionPass):
         if picked is None:
             raise Refuse("router_not_sigmoid")
         bias_v, sig = picked
-        if const(bias_v) is None:
+        if not is_const(bias_v):
             raise Refuse("bias_not_constant")
         xf, m["router_w"] = _linear(model, sig.inputs[0], "router_not_linear")
         m.update(x=xf, router_bias=bias_v)
@@ -184,7 +184,7 @@ class FuseMoEPass(FusionPass):
             raise Refuse("no_latent_down", "the latent is not projected from the router's input")
         # latent norm, up-projection, shared experts
         norm = sole_consumer(red.outputs[0], "no_latent_norm")
-        if norm.op_type != "RMSNormalization" or const(norm.inputs[1]) is None or \
+        if norm.op_type != "RMSNormalization" or not is_const(norm.inputs[1]) or \
                 attr(norm, "axis", -1) not in (-1, 1) or (len(norm.inputs) > 2 and norm.inputs[2] is not None):
             raise Refuse("no_latent_norm")
         m.update(norm_w=norm.inputs[1], eps=float(attr(norm, "epsilon", 1e-5)))

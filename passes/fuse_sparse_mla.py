@@ -33,7 +33,7 @@ from kimi_compile.ops import DOMAIN
 from kimi_compile.plugins.sparse_mla import function as sparse_mla_function
 from kimi_compile.plugins.sparse_mla import overload_name
 from kimi_compile.rewrite import (Builder, FusionPass, Refuse, attach_overload, attr, const, consumers, producer,
-                                  quantized_read, weight_like)
+                                  quantized_read, static_last, weight_like)
 
 
 def _eq(n: ir.Node) -> str:
@@ -65,11 +65,6 @@ def _slice_bounds(n: ir.Node) -> tuple[int, int]:
 _FMT = {"mx": "mxfp8", "tile": "fp8_tile"}
 
 
-def _static_last(v: ir.Value) -> int | None:
-    d = v.shape[-1] if v.shape is not None and len(v.shape) else None
-    return d if isinstance(d, int) else None
-
-
 def _quantized_keys(keys: ir.Value, R: int) -> dict | None:
     """keys = Concat[-1](quantized latent read, rope read) (see the module docstring) -> the pools and formats;
     None when the keys are not a concat of a quantized read; Refuse(keys_not_paged) on a partial match."""
@@ -81,8 +76,8 @@ def _quantized_keys(keys: ir.Value, R: int) -> dict | None:
         return None
     if attr(cat, "axis") not in (-1, 3) and not (attr(cat, "axis") == 2 and len(keys.shape or ()) == 3):
         raise Refuse("keys_not_paged", "latent and RoPE parts are not concatenated on the last axis")
-    if _static_last(lat["pool"]) != R:
-        raise Refuse("keys_not_paged", f"quantized latent has {_static_last(lat['pool'])} dims, expected {R}")
+    if static_last(lat["pool"]) != R:
+        raise Refuse("keys_not_paged", f"quantized latent has {static_last(lat['pool'])} dims, expected {R}")
     m = dict(pool=lat["pool"], bt=lat["bt"], scale_pool=lat["scale_pool"], kv_format=_FMT[lat["kind"]],
              tile=lat["block"], elem=lat["elem"], rope_scale_pool=None, rope_tile=lat["block"])
     rope = quantized_read(cat.inputs[1])

@@ -54,6 +54,7 @@ import onnx_ir as ir
 from kimi_compile.functions import attach_functions
 from kimi_compile.ops import DOMAIN
 from kimi_compile.pipeline import KimiPass
+from kimi_compile.rewrite import static_last
 
 RULE = "quantize"
 _F8 = {"e4m3": (ir.DataType.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn),
@@ -153,13 +154,6 @@ def bits_fp8(e: _Emit, bits: ir.Value, elem: str) -> ir.Value:
     return out
 
 
-def _static_last(v: ir.Value) -> int | None:
-    if v.shape is None or len(v.shape) == 0:
-        return None
-    d = v.shape[-1]
-    return d if isinstance(d, int) else None
-
-
 def _split_of(values: ir.Value) -> list[int]:
     """Widths of the Concat (last axis) that builds the written rows, seen through Reshape; [] if none."""
     p = values.producer()
@@ -171,7 +165,7 @@ def _split_of(values: ir.Value) -> list[int]:
     rank = len(p.inputs[0].shape) if p.inputs[0] is not None and p.inputs[0].shape is not None else None
     if axis != -1 and (rank is None or axis != rank - 1):
         return []
-    widths = [_static_last(x) for x in p.inputs]
+    widths = [static_last(x) for x in p.inputs]
     return [] if any(w is None for w in widths) else widths
 
 
@@ -236,7 +230,7 @@ class QuantizePass(KimiPass):
         rule = self._rule(role)
         if rule is None or rule["format"] == "fp32":
             return
-        D = _static_last(pool)
+        D = static_last(pool)
         if D is None or pool.shape is None or len(pool.shape) != 3:
             self._refuse("pool_shape_unknown", pool.name)
             return
@@ -289,7 +283,7 @@ class QuantizePass(KimiPass):
                        role: str, rule: dict) -> None:
         e = _Emit(g, f"{RULE}.{pool.name}", f"{RULE}.{role}")
         slots, values = write.inputs[1], write.inputs[2]
-        D = _static_last(pool)
+        D = static_last(pool)
         bytes_before = int(D * pool.dtype.itemsize)
         out_name = write.outputs[0].name
         reads: dict[str, list[ir.Value]] = {id(gn): [] for gn in gathers}
@@ -392,7 +386,7 @@ class QuantizePass(KimiPass):
 
     def _qdq(self, g: ir.Graph, x: ir.Value, rule: dict, role: str, prefix: str) -> ir.Value | None:
         opts = rule.get("options", {})
-        D = _static_last(x)
+        D = static_last(x)
         e = _Emit(g, f"{RULE}.{prefix}", f"{RULE}.{role}")
         if rule["format"] == "mxfp8":
             block = int(opts.get("block", 32))

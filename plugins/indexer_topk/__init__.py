@@ -72,10 +72,6 @@ def overload_name(k_format: str = "float", elem: str = "e4m3") -> str:
     return "" if k_format == "float" else f"{k_format}_{elem}"
 
 
-def _ref_int(name: str, attr: str):
-    return attr_const(name, attr, "value_int")
-
-
 def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_attr: str) -> list:
     """ONNX nodes dequantizing gathered rows exactly as `quantize` reads its pools: uint8 bits -> FP8 codes (table
     lookup, Cast) -> kimi.DequantizeMX (kind mx, E8M0 scales) | kimi.DequantizeFP8Tile (kind tile, float32 scales)."""
@@ -108,11 +104,7 @@ def function(k_format: str = "float", elem: str = "e4m3"):
                 *dequant_nodes("kcodes", "kscale", "keys", "mx", elem, "block")]
     else:
         raise ValueError(f"kimi.IndexerTopK: k_format must be float or mxfp8, got {k_format!r}")
-    k_attr = helper.make_attribute("value_int", 0)
-    k_attr.ref_attr_name = "topk"
-    k_attr.type = AttributeProto.INT
-    k_node = helper.make_node("Constant", [], ["k0"])
-    k_node.attribute.append(k_attr)
+    k_node = attr_const("k0", "topk", "value_int")
     nodes = [
         *keys,
         n("Einsum", ["q", "keys"], ["dots"], equation="bthd,bsd->bths"),
