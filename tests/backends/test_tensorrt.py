@@ -232,16 +232,13 @@ def test_executor_refuses_precisely_without_an_accepted_gpu(tmp_path):
 
 @needs_rtx
 @pytest.mark.slow
-def test_tiny_recipe_builds_prefill_and_decode_engines(tmp_path, monkeypatch):
-    """The traced kimi-k3.1-tiny graphs (ONNX Runtime build, same passes) -> both engines, CPU-only."""
+def test_tiny_recipe_builds_prefill_and_decode_engines(tmp_path, tiny_build):
+    """The traced kimi-k3.1-tiny graphs (the session's ONNX Runtime build, same passes) -> both engines, CPU-only."""
     import onnx_ir as ir
 
-    from kimi_compile.build import build
     from kimi_compile.functions import attach_functions
-    from kimi_compile.recipe import load_recipe
 
-    monkeypatch.setenv("KIMI_COMPILE_CACHE", str(tmp_path / "cache"))
-    res = build(load_recipe(REPO / "recipes/kimi-k3.1-tiny.yaml"), tmp_path / "ort")
+    res = tiny_build[1]
     graphs = {p: ir.load(res.artifact / g["file"]) for p, g in res.manifest["graphs"].items()}
     for g in graphs.values():
         attach_functions(g)
@@ -271,12 +268,12 @@ def _build_passes_context() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _build_passes_context(), reason="kimi_compile/build.py does not pass options['_build'] and "
                     "copy engines/ yet (lead edit pending)")
-def test_trt_recipe_builds_then_warm_rebuild_hits_the_backend_cache(tmp_path, monkeypatch):
+def test_trt_recipe_builds_then_warm_rebuild_hits_the_backend_cache(tmp_path, monkeypatch, tiny_cache):
     from kimi_compile.artifact import load_manifest
     from kimi_compile.build import build
     from kimi_compile.recipe import load_recipe
 
-    monkeypatch.setenv("KIMI_COMPILE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KIMI_COMPILE_CACHE", str(tiny_cache.root))  # the session build's trace hits
     recipe = load_recipe(REPO / "recipes/kimi-k3.1-tiny-trt.yaml")
     cold = build(recipe, tmp_path / "a")
     assert cold.cache_hits["backend"] == {"hits": 0, "misses": 1}

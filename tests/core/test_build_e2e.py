@@ -21,13 +21,10 @@ from kimi_compile.runtime import load
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("build")
-    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny.yaml"))
-    cache = CompileCache(root=tmp / "cache")
-    res = build(recipe, tmp / "art", verify=True, cache=cache)
-    return recipe, res, cache, tmp
+@pytest.fixture
+def built(tiny_build):
+    """kimi-k3.1-tiny, verified build (tests/conftest.py: one per session)."""
+    return tiny_build
 
 
 def _reference_greedy(model, prompt, n, eos=None):
@@ -303,11 +300,10 @@ def test_default_pipeline_fuses_every_layer_kind(built):
         assert info["op_coverage"][phase]["total_pct"] > 80
 
 
-def test_quantized_recipe_fuses_and_reads_quantized_pools(tmp_path):
+def test_quantized_recipe_fuses_and_reads_quantized_pools(quant_build):
     """The quant recipe: every fusion still fires (inspect --json), the fused ops read the uint8 code/scale pools
     (no dequantized cache outside them), and the accuracy report is in the manifest."""
-    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-quant.yaml"))
-    res = build(recipe, tmp_path / "q", cache=CompileCache(root=tmp_path / "cache"))
+    res = quant_build[1]
     info = json.loads(CliRunner().invoke(main, ["inspect", str(res.artifact), "--json"]).output)
     for phase in ("prefill", "decode"):
         h = info["graphs"][phase]["op_histogram"]

@@ -159,20 +159,13 @@ def test_fp8_bit_conversion_round_trips_every_code():
 
 
 @pytest.mark.slow
-def test_quant_recipe_end_to_end(tmp_path):
+def test_quant_recipe_end_to_end(quant_build):
     """kimi-k3.1-tiny-quant: index-K and latent-KV bytes per token <= 0.55x bf16, indexer recall >= 0.9, the accuracy
     report in the manifest and report.md, later passes verified against the quantized graph, and the runtime running
     the uint8 code and scale pools."""
-    import os
-
-    from kimi_compile.build import build
-    from kimi_compile.cache import CompileCache
-    from kimi_compile.recipe import load_recipe
     from kimi_compile.runtime import load
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    res = build(load_recipe(os.path.join(root, "recipes", "kimi-k3.1-tiny-quant.yaml")), tmp_path / "art",
-                verify=True, cache=CompileCache(root=tmp_path / "cache"))
+    res = quant_build[1]
     acc = res.manifest["accuracy"]
     assert {c["cache"] for c in acc["caches"]} == {"kv.3", "index_k.3", "kv.5", "index_k.5"}
     assert all(c["ratio_vs_bf16"] <= 0.55 for c in acc["caches"]), acc["caches"]

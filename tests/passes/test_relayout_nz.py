@@ -110,16 +110,15 @@ def test_numerical_ort_before_vs_after():
 
 
 @pytest.mark.slow
-def test_nz_build_gives_the_same_logits(tmp_path):
-    """kimi-k3.1-tiny with relayout_nz vs without, through the runtime: relative error < 1e-6 (fp32)."""
+def test_nz_build_gives_the_same_logits(tmp_path, tiny_build, tiny_cache):
+    """kimi-k3.1-tiny with relayout_nz vs without, through the runtime: relative error < 1e-6 (fp32). The nz build
+    starts from the session build's cache (its trace and shared passes hit)."""
     from kimi_compile.build import build
-    from kimi_compile.cache import CompileCache
     from kimi_compile.recipe import load_recipe
     from kimi_compile.runtime import load
 
-    cache = CompileCache(root=tmp_path / "cache")
-    plain = build(load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny.yaml")), tmp_path / "plain", cache=cache)
-    nz = build(load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-nz.yaml")), tmp_path / "nz", cache=cache)
+    plain = tiny_build[1]
+    nz = build(load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-nz.yaml")), tmp_path / "nz", cache=tiny_cache)
     assert sum(r["counts"].get("matches", 0) for r in nz.manifest["pass_log"] if r["name"] == "relayout_nz") >= 30
     assert nz.manifest["graphs"]["decode"]["op_histogram"]["kimi.MatMulNZ"] >= 15  # the rest live in kimi.KDA/MoE
     prompts = [[5, 17, 3, 99, 123, 7, 8, 9, 10, 11], [42, 43, 44]]
