@@ -183,10 +183,8 @@ def indexer_section(args):
             cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
                      dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
         if not args.only_defaults:
-            cfgs += [dict(impl="v3", tma=tma, num_warps=nw, num_stages=ns, progs_per_sm=pps, pair=pr)
-                     for tma, nw, ns, pps, pr in ((True, 4, 2, 4, 1), (True, 4, 2, 8, 1), (True, 4, 2, 4, 2),
-                                                  (True, 4, 2, 2, 2), (True, 8, 2, 2, 2), (True, 4, 3, 4, 2),
-                                                  (False, 4, 2, 4, 2))]
+            cfgs += [dict(impl="v3"), dict(impl="v3", cand_pps=4), dict(impl="v3", cand_pps=8),
+                     dict(impl="v3", progs_per_sm=8, pair=1), dict(impl="v3", tma=False)]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:

@@ -82,13 +82,10 @@ def main():
     args = ap.parse_args()
     if "indexer" in args.what:
         indexer([(32, 65536), (1, 131072)],
-                [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2),
-                 dict(impl="v3", tma=True, num_warps=4, num_stages=2, progs_per_sm=4),
-                 dict(impl="v3", tma=True, num_warps=4, num_stages=2, progs_per_sm=4, pair=2)])
+                [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2), dict(impl="v3")])
     if "mla" in args.what:
         mla([32, 1], lambda B: [dict(impl="v1", nsplit=2 if B > 1 else None, bn=64, nacc=4 if B > 1 else 2,
-                                     num_warps=8, num_stages=1),
-                                dict(impl="v4", bn=32, nacc=4, bh=64, num_warps=8, num_stages=2, qloop=True)])
+                                     num_warps=8, num_stages=1)])
     regs()
 
 

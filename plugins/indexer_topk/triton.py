@@ -28,9 +28,17 @@ page; the page's four [BS, 32] code groups arrive by TMA (fp8 descriptor over th
 software-pipelined by tl.range; the four E8M0 scales load as one int32 per row (cp.async-able); a program's
 block-table entries load once up front. Same fp16 math as v2. Measured on the H200 (bench/results/
 gpu_kernels_2026-12-02_v3.json): score kernel 143 us vs v2's 191 us at B=32 L=64K, 17 us vs 24 us at B=1 L=128K.
+The exact select stops its bisection as soon as exactly k keys are >= mid, and a row with at most k candidates takes
+them all without a search (ncu, B=1: 11.1 us vs 12.4 before).
 Tried on the H200 and dropped (correct, slower; bench/results/gpu_kernels_2026-12-02_v3.json): radix selects (8-bit
 tl.histogram, 4-bit comparison counts; 4x slower than the bisection), the final selection in the row's last program,
-one K=128 dot instead of four chained K=32 dots (no gain).
+one K=128 dot instead of four chained K=32 dots (no gain). Also dropped after the fourth pass
+(bench/results/gpu_kernels_2026-12-02_v5.json, ncu_indexer_2026-12-02_v5.json): a histogram-guided select (group
+maxima counted by the top 12 key bits in the score kernel, candidates binned for the final search): B=1 34.5 vs
+35.0 us, B=32 165.8 vs 159.9 us (the score kernel's atomics cost more than the shorter searches save: the selects
+are latency chains of loads, atomics and barriers, ~10 us each at B=1 whatever the step count); and the page's
+scales by TMA (B=32 227.6 vs 165.8 us); programmatic dependent launch of the two select kernels
+(bench/results/gpu_kernels_2026-12-02_v6.json: B=1 38.0 vs 34.0 us, B=32 165.8 vs 160.1 us).
 Power-of-two cache pages in [16, 256] only; other page sizes fall back to v2.
 `indexer_topk_decode_onnx_contract` adapts the output to kimi.IndexerTopK's contract (int64, sorted, -1 / -1e30).
 """
@@ -306,31 +314,37 @@ if triton is not None:
         return c
 
     @triton.jit
-    def _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, INREG: tl.constexpr, CH: tl.constexpr):
-        # exact top-`target` of the nc candidates: k-th largest key by bisection, ties to the lower position
+    def _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, INREG: tl.constexpr,
+                     CH: tl.constexpr):
+        # exact top-`target` of the nc candidates: the target-th largest key by bisection between the keys' min and
+        # max, stopping as soon as exactly `target` keys are >= mid; ties to the lower position (a second bisection
+        # on position, over [0, L)). target == nc: all of them, no search. xr / pr: the first CH candidate slots.
         ar = tl.arange(0, CH)
         m = ar < nc
-        kr = tl.where(m, _key(tl.load(CS + base + ar, mask=m, other=0.0)), -2147483648)
-        pr = tl.load(CP + base + ar, mask=m, other=0)
+        kr = tl.where(m, _key(xr), -2147483648)
         z64 = nc.to(tl.int64) * 0
+        cge = nc  # keys >= lo
         if INREG:
             lo = z64 + tl.min(tl.where(m, kr, 2147483647), 0)
             hi = z64 + tl.max(kr, 0)
         else:
             lo = z64 - 2147483647
             hi = z64 + 2147483647
+        lo = tl.where(target >= nc, z64 - 2147483647, lo)  # every candidate is selected: no search
+        hi = tl.where(target >= nc, lo, hi)
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
             c = _count(CS, CP, base, nc, kr, pr, mid.to(tl.int32), 0, 0, INREG, CH)
             ok = c >= target
             lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
+            cge = tl.where(ok, c, cge)
+            hi = tl.where(ok, tl.where(c == target, mid, hi), mid - 1)
         tk = lo.to(tl.int32)
         ngt = _count(CS, CP, base, nc, kr, pr, tk, 0, 1, INREG, CH)
-        neq = _count(CS, CP, base, nc, kr, pr, tk, 0, 2, INREG, CH)
+        neq = cge - ngt
         need = target - ngt
         plo = nc * 0
-        phi = tl.where(neq > need, 2147483646, 0)
+        phi = tl.where(neq > need, L, 0)
         while plo < phi:
             pm = plo + (phi - plo) // 2
             c = _count(CS, CP, base, nc, kr, pr, tk, pm, 3, INREG, CH)
@@ -359,6 +373,20 @@ if triton is not None:
                 done += tl.sum(si, 0)
 
     @triton.jit
+    def _gm_count(GM, gbase, ng, gk, thr, NGB: tl.constexpr):
+        # number of the row's ng group maxima with key >= thr (gk: the first NGB of them, in registers)
+        if ng <= NGB:
+            c = tl.sum((gk >= thr).to(tl.int32), 0)
+        else:
+            c = ng * 0
+            for i in range(0, ng, NGB):
+                a = i + tl.arange(0, NGB)
+                mm = a < ng
+                kk = tl.where(mm, _key(tl.load(GM + gbase + a, mask=mm, other=0.0)), -2147483648)
+                c += tl.sum((kk >= thr).to(tl.int32), 0)
+        return c
+
+    @triton.jit
     def _cand_kernel(SC, GM, CS, CP, CNT, ROW_LEN, cap, ngcap, chunk, topk, G: tl.constexpr, NGB: tl.constexpr,
                      BLK: tl.constexpr):
         # Threshold T = (top 16 bits of) the keff-th largest group max: at least keff scores are >= T, so every
@@ -368,6 +396,12 @@ if triton is not None:
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
+        p0 = s * chunk
+        p1 = tl.minimum(p0 + chunk, L)
+        cbase = r.to(tl.int64) * cap
+        pos = p0 + tl.arange(0, BLK)  # the slice's first block is loaded before the search: its latency overlaps
+        valid = pos < p1
+        x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
         ng = tl.cdiv(L, G)
         gbase = r.to(tl.int64) * ngcap
         ga = tl.arange(0, NGB)
@@ -377,51 +411,48 @@ if triton is not None:
         hi = tl.where(ng >= keff, 32767, -32768)
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            if ng <= NGB:
-                c = tl.sum((gk >= (mid << 16)).to(tl.int32), 0)
-            else:
-                c = L * 0
-                for i in range(0, ng, NGB):
-                    a = i + ga
-                    mm = a < ng
-                    kk = tl.where(mm, _key(tl.load(GM + gbase + a, mask=mm, other=0.0)), -2147483648)
-                    c += tl.sum((kk >= (mid << 16)).to(tl.int32), 0)
+            c = _gm_count(GM, gbase, ng, gk, mid << 16, NGB)
             ok = c >= keff
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
         T = lo << 16
-        p0 = s * chunk
-        p1 = tl.minimum(p0 + chunk, L)
-        cbase = r.to(tl.int64) * cap
-        for b0 in range(p0, p1, BLK):
+        _append(CS, CP, CNT, r, cbase, x, pos, valid & (_key(x) >= T))
+        for b0 in range(p0 + BLK, p1, BLK):
             pos = b0 + tl.arange(0, BLK)
             valid = pos < p1
             x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
-            mk = valid & (_key(x) >= T)
-            mi = mk.to(tl.int32)
-            base = tl.atomic_add(CNT + r, tl.sum(mi, 0), sem="relaxed")
-            slot = base + tl.cumsum(mi, 0) - 1
-            tl.store(CS + cbase + slot, x, mask=mk)
-            tl.store(CP + cbase + slot, pos, mask=mk)
+            _append(CS, CP, CNT, r, cbase, x, pos, valid & (_key(x) >= T))
+
+    @triton.jit
+    def _append(CS, CP, CNT, r, cbase, x, pos, mk):
+        # append the scores x at positions pos where mk to the row's candidates (atomic slot counter)
+        mi = mk.to(tl.int32)
+        base = tl.atomic_add(CNT + r, tl.sum(mi, 0), sem="relaxed")
+        slot = base + tl.cumsum(mi, 0) - 1
+        tl.store(CS + cbase + slot, x, mask=mk)
+        tl.store(CP + cbase + slot, pos, mask=mk)
 
     @triton.jit
     def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, CH: tl.constexpr, KP2: tl.constexpr):
+        # one program per row: exact selection among the candidates; resets the counter
         r = tl.program_id(0)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
-        nc = tl.atomic_xchg(CNT + r, 0)  # read and reset (the workspace cleans itself)
         obase = r.to(tl.int64) * topk
         kk = tl.arange(0, KP2)
         pm = (kk >= keff) & (kk < topk)
         tl.store(OUT_I + obase + kk, tl.full([KP2], -1, tl.int32), mask=pm)
         tl.store(OUT_S + obase + kk, tl.full([KP2], float("-inf"), tl.float32), mask=pm)
-        target = tl.minimum(keff, nc)
         base = r.to(tl.int64) * cap
+        ar = tl.arange(0, CH)  # the first CH candidate slots, loaded while the counter is read
+        xr = tl.load(CS + base + ar, mask=ar < cap, other=0.0)
+        pr = tl.load(CP + base + ar, mask=ar < cap, other=0)
+        nc = tl.atomic_xchg(CNT + r, 0)  # read and reset (the workspace cleans itself)
+        target = tl.minimum(keff, nc)
         if nc <= CH:
-            _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, True, CH)
+            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
         else:
-            _select_body(CS, CP, base, nc, target, OUT_I, OUT_S, obase, False, CH)
-
+            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, False, CH)
 
     # ------------------------------------------------------------------ v3: paged TMA/pipelined score
     @triton.jit
@@ -529,6 +560,8 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
         raise RuntimeError("indexer_topk Triton kernels need triton and a CUDA GPU")
     if impl not in ("v1", "v2", "v3"):
         raise ValueError(f"indexer_topk: impl must be 'v1', 'v2' or 'v3', got {impl!r}")
+    if impl != "v3" and set(v3) - {"score_only"}:
+        raise ValueError(f"indexer_topk {impl}: unknown keyword(s) {sorted(set(v3) - {'score_only'})} (v3 only)")
     R, H, D = q.shape
     if D != 128 or k_codes.shape[-1] != 128 or k_scales.shape[-1] != 4:
         raise ValueError(f"indexer_topk: index head dim must be 128 (q {tuple(q.shape)}, k_codes "
@@ -607,13 +640,13 @@ def _outputs(R: int, topk: int, dev, out):
     return out
 
 
-def _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps=4, final_warps=8):
+def _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps=4, final_warps=8, cand_pps=2):
     """`_cand_kernel` (threshold from the group maxima + candidate compaction) then `_final_kernel` (exact
     selection among the candidates, typically ~1.2-1.5 x topk of them)."""
     sc, gm, cs, cp, cnt = ws
     R = row_len.shape[0]
     blk = 2048
-    s2 = max(1, min(triton.cdiv(cap, blk), (2 * nsm) // max(R, 1)))
+    s2 = max(1, min(triton.cdiv(cap, blk), (cand_pps * nsm) // max(R, 1)))  # ~cand_pps candidate programs per SM
     chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
     ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
     _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
@@ -658,7 +691,7 @@ def _tma_ok(k_codes: torch.Tensor) -> bool:
 
 def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, num_warps,
                      progs_per_sm, out, num_stages, tma, prefetch_bt=True, cand_warps=4, final_warps=8, pair=None,
-                     score_only=False):
+                     score_only=False, cand_pps=2):
     """`_score3_kernel` (one page per tile, TMA or plain loads pipelined num_stages deep), then v2's
     `_cand_kernel` + `_final_kernel`."""
     R, H, D = q.shape
@@ -685,13 +718,13 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     ppb = triton.next_power_of_2(ppp) if prefetch_bt and ppp <= 64 else 0
     if pair is None:  # two pages per iteration pays off with many rows (B=32: 162 vs 174 us), not at B=1 (42 vs 37)
         pair = 2 if R >= 8 else 1
-    _score3_kernel[(R, triton.cdiv(npages, ppp))](q, weights, k_codes, kd, k_scales.view(torch.int32), block_table,
-                                                  row_seq, row_len, ws[0], ws[1], block_table.stride(0), cap, ngcap,
-                                                  ppp, BS=bs, H=H, G=G, NS=num_stages, TMA=bool(tma), PPB=ppb,
-                                                  PAIR=pair, num_warps=num_warps)
+    _score3_kernel[(R, triton.cdiv(npages, ppp))](
+        q, weights, k_codes, kd, k_scales.view(torch.int32), block_table, row_seq, row_len, ws[0], ws[1],
+        block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=num_stages, TMA=bool(tma), PPB=ppb, PAIR=pair,
+        num_warps=num_warps)
     if score_only:  # stage timing in the bench: scores + group maxima in the workspace, no selection
         return ws[0], ws[1]
-    return _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps, final_warps)
+    return _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps, final_warps, cand_pps)
 
 
 def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
@@ -702,7 +735,8 @@ def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.T
     """q [B, H, 128] bf16, weights [B, H] f32, k_codes [NB, BS, 128] u8, k_scales [NB, BS, 4] u8,
     block_table [B, MB] i32, context_lens [B] i32 -> (indices [B, topk] i32 (-1 pad), scores [B, topk] f32).
     impl "v3" keywords: prefetch_bt (a program's block-table entries loaded once, default), pair (pages per loop
-    iteration; default 2 for >= 8 rows, else 1), cand_warps / final_warps (warps of the two select kernels)."""
+    iteration; default 2 for >= 8 rows, else 1), cand_warps / final_warps (warps of the two select kernels),
+    cand_pps (candidate-kernel programs per SM, default 2)."""
     B = q.shape[0]
     cap = block_table.shape[1] * k_codes.shape[1]
     return _indexer_topk(q, weights, k_codes, k_scales, block_table, _arange(B, q.device),

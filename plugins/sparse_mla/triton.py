@@ -12,7 +12,10 @@ impl "v1" is the default. v2/v3 (tile dequantized to bf16, single wide dots) and
 program, 1/2/4 value tiles per program, tl.range pipelining, per-tile q reload, optional merge in the last program)
 are kept for the bench; all measured slower than v1 on the H200 (bench/results/gpu_kernels_2026-12-02_v3.json): the
 8-warp programs sit at 255 registers with spills (ncu: bench/results/ncu_indexer_mla_2026-12-02.json), and a merge
-done by one program reads every split's partial alone (94 us at B=1).
+done by one program reads every split's partial alone (94 us at B=1). The split merge (`_combine_kernel`) is shared by
+v1 (one program per row and head) and v4 (per 128 value dims for small batches). Tried in the fifth pass and dropped
+(bench/results/gpu_kernels_2026-12-02_v6.json): programmatic dependent launch of the merge (B=1 28.5 vs 22.8 us, B=32
+no change) and bf16 split partials (B=32 201 vs 186 us; more error).
 """
 
 from __future__ import annotations
@@ -255,24 +258,6 @@ if triton is not None:
             lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
             tl.store(LSE + (r.to(tl.int64) * NSPLIT + sp) * H + hh, lse)
 
-    @triton.jit
-    def _combine_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr):
-        r = tl.program_id(0)
-        h = tl.program_id(1)
-        s = tl.arange(0, NSP2)
-        sm = s < NSPLIT
-        lse = tl.load(LSE + (r.to(tl.int64) * NSPLIT + s) * H + h, mask=sm, other=float("-inf"))
-        mx = tl.max(lse, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        wgt = tl.exp2(lse - mx)
-        tot = tl.sum(wgt, 0)
-        wgt = tl.where(tot > 0, wgt / tot, 0.0)
-        d = tl.arange(0, 512)
-        o = tl.load(OPART + ((r.to(tl.int64) * NSPLIT + s[:, None]) * H + h) * 512 + d[None, :], mask=sm[:, None],
-                    other=0.0)
-        tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o * wgt[:, None], 0).to(tl.bfloat16))
-
-
     # ------------------------------------------------------------------ v4: split-K, pipelined, fused combine
     @triton.jit
     def _sparse_mla_v4_kernel(Q, KV8, KV32, KV16, BT, ROW_SEQ, IDX, O, OPART, LSE, ARR, qk_scale_log2,
@@ -370,22 +355,30 @@ if triton is not None:
                                  o.to(tl.bfloat16))
 
     @triton.jit
-    def _combine_v4_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr,
-                           NDV: tl.constexpr, DVB: tl.constexpr):
+    def _combine_kernel(OPART, LSE, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr,
+                        NDV: tl.constexpr, DVB: tl.constexpr):
         # grid (rows, heads, 512 // DVB): one program merges DVB value dims of one head over the splits
         r = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.arange(0, NSP2)
         sm = s < NSPLIT
         d = tl.program_id(2) * DVB + tl.arange(0, DVB)
-        pdv = d // (512 // NDV)
-        lse = tl.load(LSE + ((r.to(tl.int64) * NSPLIT + s[:, None]) * NDV + pdv[None, :]) * H + h, mask=sm[:, None],
-                      other=float("-inf"))
-        mx = tl.max(lse, 0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        wgt = tl.exp2(lse - mx[None, :])
-        tot = tl.sum(wgt, 0)
-        wgt = wgt * tl.where(tot > 0, 1.0 / tot, 0.0)[None, :]
+        if NDV == 1:  # one (max, sum) per split and head: 1-D weights
+            lse = tl.load(LSE + (r.to(tl.int64) * NSPLIT + s) * H + h, mask=sm, other=float("-inf"))
+            mx = tl.max(lse, 0)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            w1 = tl.exp2(lse - mx)
+            tot = tl.sum(w1, 0)
+            wgt = (w1 * tl.where(tot > 0, 1.0 / tot, 0.0))[:, None]
+        else:  # v4: each value part has its own (max, sum)
+            pdv = d // (512 // NDV)
+            lse = tl.load(LSE + ((r.to(tl.int64) * NSPLIT + s[:, None]) * NDV + pdv[None, :]) * H + h,
+                          mask=sm[:, None], other=float("-inf"))
+            mx = tl.max(lse, 0)
+            mx = tl.where(mx == float("-inf"), 0.0, mx)
+            wgt = tl.exp2(lse - mx[None, :])
+            tot = tl.sum(wgt, 0)
+            wgt = wgt * tl.where(tot > 0, 1.0 / tot, 0.0)[None, :]
         o = tl.load(OPART + ((r.to(tl.int64) * NSPLIT + s[:, None]) * H + h) * 512 + d[None, :], mask=sm[:, None],
                     other=0.0)
         tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o * wgt, 0).to(tl.bfloat16))
@@ -412,6 +405,9 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
                               num_warps=num_warps, num_stages=num_stages, out=out, **v4)
     if impl not in ("v1", "v2", "v3"):
         raise ValueError(f"sparse_mla: impl must be 'v1', 'v2', 'v3' or 'v4', got {impl!r}")
+    if v4:
+        raise ValueError(f"sparse_mla {impl}: unknown keyword(s) {sorted(v4)} "
+                         "(bh, qloop, fused, progs_per_sm are v4's)")
     if nacc not in (2, 4) or H % 64:
         raise ValueError(f"sparse_mla {impl}: nacc (value tiles of 128 per program) must be 4 or 2 and the head count "
                          f"a multiple of 64, got nacc={nacc}, H={H}")
@@ -458,9 +454,13 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
                                                        BN=bn, NACC=nacc, NSPLIT=nsplit, num_warps=num_warps,
                                                        num_stages=num_stages)
     if nsplit > 1:
-        _combine_kernel[(R, H)](opart, lse, out, H=H, NSPLIT=nsplit, NSP2=triton.next_power_of_2(nsplit),
-                                num_warps=4)
+        _combine(opart, lse, out, R, H, nsplit, 1, 512)  # one program per head (value chunks: no gain at B=1)
     return out
+
+
+def _combine(opart, lse, out, R, H, nsplit, ndv, dvb):
+    _combine_kernel[(R, H, 512 // dvb)](opart, lse, out, H=H, NSPLIT=nsplit, NSP2=triton.next_power_of_2(nsplit),
+                                        NDV=ndv, DVB=dvb, num_warps=4)
 
 
 _WS4: dict = {}
@@ -500,9 +500,7 @@ def _sparse_mla_v4(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=
                                                        NS=num_stages, QLOOP=qloop, FUSED=fused, NSP2=nsp2,
                                                        num_warps=num_warps)
     if nsplit > 1 and not fused:
-        dvb = 128 if R * H < 1024 else 512  # small batches: more, shorter programs
-        _combine_v4_kernel[(R, H, 512 // dvb)](opart, lse, out, H=H, NSPLIT=nsplit, NSP2=nsp2, NDV=ndv, DVB=dvb,
-                                               num_warps=4)
+        _combine(opart, lse, out, R, H, nsplit, ndv, 128 if R * H < 1024 else 512)  # small batches: more programs
     return out
 
 
