@@ -355,6 +355,12 @@ def test_bad_input_names_the_field():
         itk.indexer_topk_decode(q.float(), w, codes, scales, bt, cl, 16)
     with pytest.raises(ValueError, match="impl must be"):
         itk.indexer_topk_decode(q, w, codes, scales, bt, cl, 16, impl="v9")
+    with pytest.raises(ValueError, match=r"unknown keyword\(s\) \['pair'\]"):
+        itk.indexer_topk_decode(q, w, codes, scales, bt, cl, 16, impl="v2", pair=2)
+    with pytest.raises(ValueError, match=r"unknown keyword\(s\) \['fused'\]"):
+        mtk.sparse_mla_decode(torch.randn(1, 128, 576, device=DEV).bfloat16(),
+                              torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEV), bt[:1],
+                              torch.zeros(1, 8, dtype=torch.int32, device=DEV), impl="v1", fused=True)
     with pytest.raises(ValueError, match="kv_cache uint8"):
         mtk.sparse_mla_decode(torch.randn(1, 64, 512, device=DEV).bfloat16(),
                               torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEV), bt[:1],
