@@ -183,8 +183,8 @@ def indexer_section(args):
             cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
                      dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
         if not args.only_defaults:
-            cfgs += [dict(impl="v3"), dict(impl="v3", cand_pps=4), dict(impl="v3", cand_pps=8),
-                     dict(impl="v3", progs_per_sm=8, pair=1), dict(impl="v3", tma=False)]
+            cfgs += [dict(impl="v3"), dict(impl="v3", pair=2, num_stages=2), dict(impl="v3", num_stages=4),
+                     dict(impl="v3", tma=False)]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
@@ -205,7 +205,8 @@ def indexer_section(args):
             torch.cuda.empty_cache()
             flush_json(args)
             continue
-        for cfg in (dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4), dict(impl="v3")):
+        for cfg in (dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4), dict(impl="v3"),
+                    dict(impl="v3", pair=2, num_stages=2)):
             record("indexer", case, f"triton {cfg['impl']} score kernel only ({cfg})", shape, bytes_, flops,
                    lambda cfg=cfg: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, score_only=True, **cfg),
                    reps=args.reps, note="stage timing: scores + group maxima, no selection")

@@ -28,6 +28,9 @@ page; the page's four [BS, 32] code groups arrive by TMA (fp8 descriptor over th
 software-pipelined by tl.range; the four E8M0 scales load as one int32 per row (cp.async-able); a program's
 block-table entries load once up front. Same fp16 math as v2. Measured on the H200 (bench/results/
 gpu_kernels_2026-12-02_v3.json): score kernel 143 us vs v2's 191 us at B=32 L=64K, 17 us vs 24 us at B=1 L=128K.
+Since the fifth pass v3 runs one page per iteration with three stages: Triton issues the next TMA loads at the end of
+the loop body, so with two stages (one buffer) their latency was exposed (bench/results/gpu_kernels_2026-12-02_v9.json:
+B=32 153.4 vs 160.0 us, score kernel 124.6 vs 131.3 us).
 The exact select stops its bisection as soon as exactly k keys are >= mid, and a row with at most k candidates takes
 them all without a search (ncu, B=1: 11.1 us vs 12.4 before).
 Tried on the H200 and dropped (correct, slower; bench/results/gpu_kernels_2026-12-02_v3.json): radix selects (8-bit
@@ -575,7 +578,7 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
         impl = "v2"  # v3 tiles by cache page: power-of-two pages only
     if impl == "v3":
         return _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, num_warps,
-                                progs_per_sm or 4, out, num_stages or 2, tma, **v3)
+                                progs_per_sm or 4, out, num_stages or 3, tma, **v3)
     num_stages = num_stages or 2
     if impl == "v2":
         return _indexer_topk_v2(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk,
@@ -690,7 +693,7 @@ def _tma_ok(k_codes: torch.Tensor) -> bool:
 
 
 def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, num_warps,
-                     progs_per_sm, out, num_stages, tma, prefetch_bt=True, cand_warps=4, final_warps=8, pair=None,
+                     progs_per_sm, out, num_stages, tma, prefetch_bt=True, cand_warps=4, final_warps=8, pair=1,
                      score_only=False, cand_pps=2):
     """`_score3_kernel` (one page per tile, TMA or plain loads pipelined num_stages deep), then v2's
     `_cand_kernel` + `_final_kernel`."""
@@ -716,8 +719,6 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     want = max(1, (progs_per_sm * nsm) // max(R, 1))
     ppp = max(1, triton.cdiv(npages, want))
     ppb = triton.next_power_of_2(ppp) if prefetch_bt and ppp <= 64 else 0
-    if pair is None:  # two pages per iteration pays off with many rows (B=32: 162 vs 174 us), not at B=1 (42 vs 37)
-        pair = 2 if R >= 8 else 1
     _score3_kernel[(R, triton.cdiv(npages, ppp))](
         q, weights, k_codes, kd, k_scales.view(torch.int32), block_table, row_seq, row_len, ws[0], ws[1],
         block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=num_stages, TMA=bool(tma), PPB=ppb, PAIR=pair,
@@ -735,7 +736,7 @@ def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.T
     """q [B, H, 128] bf16, weights [B, H] f32, k_codes [NB, BS, 128] u8, k_scales [NB, BS, 4] u8,
     block_table [B, MB] i32, context_lens [B] i32 -> (indices [B, topk] i32 (-1 pad), scores [B, topk] f32).
     impl "v3" keywords: prefetch_bt (a program's block-table entries loaded once, default), pair (pages per loop
-    iteration; default 2 for >= 8 rows, else 1), cand_warps / final_warps (warps of the two select kernels),
+    iteration; default 1; num_stages defaults to 3 for v3), cand_warps / final_warps (warps of the two select kernels),
     cand_pps (candidate-kernel programs per SM, default 2)."""
     B = q.shape[0]
     cap = block_table.shape[1] * k_codes.shape[1]
