@@ -150,7 +150,7 @@ class FuseSparseMLAPass(FusionPass):
             wk, wv = const(w_uk), const(w_uv)
             if wk is None or wv is None:
                 raise Refuse("weights_not_constant")
-            m.update(w_uk=wk, w_uv=wv, out=proj[0].outputs[0])
+            m.update(w_uk=wk, w_uv=wv, uk_like=w_uk, uv_like=w_uv, out=proj[0].outputs[0])
         elif _eq(e1) == "bthd,bshd->bhts" and _eq(e2) == "bthd,bsd->bhts":  # prefill, expanded + masked
             m["q_nope"] = e1.inputs[0]
             kn_slice = producer(e1.inputs[1], "Slice", "score_equation")
@@ -169,7 +169,7 @@ class FuseSparseMLAPass(FusionPass):
             if H is None:
                 raise Refuse("score_equation", "unknown head count")
             wt = w.T.reshape(H, -1, m["R"])
-            m.update(w_uk=wt[:, :dn], w_uv=wt[:, dn:], w_like=w_v)
+            m.update(w_uk=wt[:, :dn], w_uv=wt[:, dn:], uk_like=w_v, uv_like=w_v)
             andn = producer(mask, "And", "not_indexed")
             sl = producer(andn.inputs[0], "Slice", "not_indexed")
             sc = producer(sl.inputs[0], "ScatterElements", "not_indexed")
@@ -189,8 +189,9 @@ class FuseSparseMLAPass(FusionPass):
 
     def rewrite(self, model, sm, m):
         b = Builder(model.graph, sm, self.rule)
-        w_uk = weight_like(model, m.get("w_like"), m["w_uk"], "w_uk")
-        w_uv = weight_like(model, m.get("w_like"), m["w_uv"], "w_uv")
+        # a bf16-stored source keeps W_UK / W_UV bf16 in both phases (same content, same initializer name)
+        w_uk = weight_like(model, m["uk_like"], m["w_uk"], "w_uk")
+        w_uv = weight_like(model, m["uv_like"], m["w_uv"], "w_uv")
         inputs = [m["q_nope"], m["q_pe"], m["pool"], m["bt"], m["indices"], w_uk, w_uv]
         attrs, overload, q = {"scale": m["scale"], "kv_lora_rank": m["R"]}, "", m["quant"]
         if q is not None:

@@ -5,7 +5,9 @@ Roles, from the graph signature (trace_spec: cache inputs `index_k.i`, `kv.i`) a
     latent_kv_cache   the pool of a PagedWrite into a `kv.*` graph input
     indexer_k         the `values` of that index-K PagedWrite (k_I)
     indexer_q         the other operand of the Einsum/MatMul that consumes PagedGather(index-K pool) (q_I)
-    projection_weight 2-D float initializers feeding MatMul/Gemm as the weight operand
+    projection_weight 2-D float initializers feeding MatMul/Gemm as the weight operand, and the absorbed MLA
+                      projections of decode (W_UK / W_UV: 3-D initializers of Einsum bthd,hdr->bthr / bthr,hvr->bthv;
+                      slices of the kv_b weight that prefill reads through a MatMul, so both phases round alike)
     projection_activation the activation operand of those MatMul/Gemm
 
 A quantized cache becomes one pool per stored part (graph inputs and `<pool>.out` outputs):
@@ -167,6 +169,9 @@ def _split_of(values: ir.Value) -> list[int]:
         return []
     widths = [static_last(x) for x in p.inputs]
     return [] if any(w is None for w in widths) else widths
+
+
+_ABSORBED_MLA = ("bthd,hdr->bthr", "bthr,hvr->bthv")  # decode's q_nope @ W_UK and o_latent @ W_UV^T
 
 
 class QuantizePass(KimiPass):
@@ -417,11 +422,20 @@ class QuantizePass(KimiPass):
         done_w: dict[str, ir.Value] = {}
         self._dead: list[ir.Value] = []
         for node in list(g):
-            if node.domain != "" or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
+            absorbed = node.op_type == "Einsum" and node.domain == "" and len(node.inputs) == 2 and \
+                getattr(node.attributes.get("equation"), "value", None) in _ABSORBED_MLA
+            if not absorbed and (node.domain != "" or node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2):
                 continue
             w = node.inputs[1]
-            if w is None or not w.is_initializer() or w.const_value is None or w.shape is None or len(w.shape) != 2 \
-                    or w.dtype != ir.DataType.FLOAT or w.const_value.size < self.options.min_weight_elements:
+            if w is None or not w.is_initializer() or w.const_value is None or w.shape is None \
+                    or len(w.shape) != (3 if absorbed else 2) or w.dtype != ir.DataType.FLOAT \
+                    or w.const_value.size * (2 if absorbed else 1) < self.options.min_weight_elements:
+                continue  # (W_UK and W_UV together are the kv_b weight that prefill's MatMul reads; dn == dv in K3)
+            if absorbed:  # weights only: the activations of these einsums are attention's, not a projection's
+                if rw is not None and rw["format"] in _SIM_DTYPE:
+                    if w.name not in done_w:
+                        done_w[w.name] = self._store_weight(g, w, _SIM_DTYPE[rw["format"]])
+                    node.replace_input_with(1, done_w[w.name])
                 continue
             if rw is not None and rw["format"] != "fp32":
                 if rw["format"] not in _SIM_DTYPE:

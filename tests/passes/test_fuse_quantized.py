@@ -55,3 +55,22 @@ def test_quantized_graph_fuses_and_matches_unfused(k31, phase):
     kda = next(n for n in m.graph if n.op_type == "KDA")
     w_q = kda.inputs[4].producer()
     assert w_q.op_type == "Cast" and w_q.inputs[0].dtype.name == "BFLOAT16"
+
+
+def test_sparse_mla_absorbed_weights_stay_bf16_and_shared(k31):
+    """W_UK / W_UV behind kimi.SparseMLA keep the stored bf16 dtype in decode as in prefill, under the same
+    initializer names (one copy for both phases), and still match the unfused quantized graph."""
+    names = {}
+    for phase in ("prefill", "decode"):
+        m, feeds = _quantized(k31, phase)
+        ref = ort_run(m, feeds)
+        for P in FUSIONS:
+            P()(m)
+        assert max_rel(ort_run(m, feeds), ref) < 1e-5, phase
+        sm = next(n for n in m.graph if n.op_type == "SparseMLA")
+        names[phase] = []
+        for v in sm.inputs[5:7]:
+            cast = v.producer()
+            assert cast is not None and cast.op_type == "Cast" and cast.inputs[0].dtype.name == "BFLOAT16", (phase, v)
+            names[phase].append(cast.inputs[0].name)
+    assert names["prefill"] == names["decode"], names
