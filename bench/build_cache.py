@@ -69,7 +69,9 @@ def main() -> None:
     }
     out = ROOT / "bench" / "results" / f"build_cache_{result['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    tmp_out = out.with_suffix(".tmp")
+    tmp_out.write_text(json.dumps(result, indent=2) + "\n")
+    tmp_out.replace(out)  # never a half-written result
     print(json.dumps(rows, indent=2))
 
 

@@ -492,8 +492,10 @@ def flush_json(args):
     RESULTS["rows"] = ROWS
     RESULTS["floors"] = FLOOR
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as fh:
         json.dump(RESULTS, fh, indent=1, default=str)
+    os.replace(tmp, args.out)  # a reader never sees a half-written file
 
 
 def main():

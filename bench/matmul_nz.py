@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -21,17 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def timeit(fn, reps=50):
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    ts = []
-    for _ in range(reps + 5):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts[5:])
+    """Median us of fn: the gpu_kernels timer (CUDA events, 256 MB L2 flush before each run), without a graph."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu_kernels import bench
+
+    return bench(fn, reps=reps, graph=False)["median_us"]
 
 
 def main():
@@ -67,7 +60,9 @@ def main():
     res = {"benchmark": "matmul_nz", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "cuda": torch.version.cuda, "command": " ".join(sys.argv),
            "note": "median of 50 CUDA-event timings, 256 MB L2 flush before each", "rows": rows}
-    Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
+    tmp = Path(a.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=2) + "\n")
+    tmp.replace(a.out)  # never a half-written result
 
 
 if __name__ == "__main__":
