@@ -272,13 +272,18 @@ def mla_section(args):
         s = (torch.bmm(q.float()[..., :512], ck.transpose(1, 2)) + torch.bmm(q.float()[..., 512:], kp.transpose(1, 2)))
         ref = torch.bmm(torch.softmax(s * sm, -1), ck)
         del rows, ck, kp, s
-        if B > 1:
+        if args.mla_cfgs:  # a sweep: the given configurations for every batch size
+            cfgs = [dict(c) for c in json.loads(args.mla_cfgs)]
+        elif B > 1:
             cfgs = [dict(impl="v1", nsplit=ns_, bn=64, nacc=4, num_warps=8, num_stages=1) for ns_ in (2, 4)]
             cfgs += [dict(impl="v4", bn=32, nacc=4, bh=64, num_warps=8, num_stages=2, qloop=True, progs_per_sm=1)]
+            cfgs += [dict(impl="v5"), dict(impl="v5", tn=128, ns1=-1, bk=128, num_stages=3),
+                     dict(impl="v5", tn=128, ns1=-1, bk=64, num_stages=0)]
         else:
             cfgs = [dict(impl="v1", nsplit=ns_, bn=bn, nacc=2, num_warps=8, num_stages=1)
                     for ns_, bn in ((None, 64), (16, 64), (64, 32))]
             cfgs += [dict(impl="v4", nsplit=32, bn=64, nacc=2, bh=64, num_warps=8, num_stages=2, fused=False)]
+            cfgs += [dict(impl="v5"), dict(impl="v5", tn=64, bh=64, warps1=4, ns1=-1, bk=64, num_stages=0)]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
@@ -316,10 +321,11 @@ def mla_section(args):
                                   torch.arange(nb * bs, device=DEV), cache)
     idx = torch.rand(T, L, device=DEV).argsort(-1)[:, :topk].int().contiguous()
     q = (torch.randn(T, H, 576, device=DEV) * 0.3).bfloat16()
-    record("sparse_mla", f"prefill T={T}", "triton rows=T nsplit=1", {"T": T, "H": H, "topk": topk},
-           T * topk * 656 + q.numel() * 2 + T * H * 1024, 2 * T * H * topk * 1088,
-           lambda: mtk.sparse_mla_prefill(q, cache, bt[0], idx), graph=True, reps=10,
-           note="gathered rows per query token (no cross-token KV reuse)")
+    for impl in ("v1", "v5"):
+        record("sparse_mla", f"prefill T={T}", f"triton {impl} rows=T nsplit=1", {"T": T, "H": H, "topk": topk},
+               T * topk * 656 + q.numel() * 2 + T * H * 1024, 2 * T * H * topk * 1088,
+               lambda impl=impl: mtk.sparse_mla_prefill(q, cache, bt[0], idx, impl=impl), graph=True, reps=10,
+               note="gathered rows per query token (no cross-token KV reuse)")
     flush_json(args)
 
 
@@ -506,6 +512,8 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer baseline variants (new kernels + best previous)")
+    ap.add_argument("--mla-cfgs", default="", help="sparse MLA: JSON list of keyword dicts to time instead of the "
+                    "default variants, e.g. '[{\"impl\": \"v5\", \"bk\": 32}]'")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
     ap.add_argument("--only-defaults", action="store_true", help="indexer: only v2 and v3 with default settings")
     args = ap.parse_args()

@@ -252,7 +252,12 @@ def _mla_cache(lens, bs, gen):
     ("v3", 1, 4, {}), ("v3", 7, 4, {}),
     ("v4", None, 2, {"bh": 64, "fused": True}), ("v4", 1, 4, {"bh": 64}), ("v4", 3, 1, {"bh": 32, "fused": False}),
     ("v4", 5, 4, {"bh": 64, "fused": True, "qloop": True}), ("v4", 16, 1, {"bh": 16, "fused": True}),
-    ("v4", 7, 2, {"bh": 32, "fused": True, "qloop": True})])
+    ("v4", 7, 2, {"bh": 32, "fused": True, "qloop": True}),
+    ("v5", None, None, {}), ("v5", 1, None, {"tn": 64, "bh": 64, "warps1": 4}),
+    ("v5", 3, None, {"bh2": 128, "warps2": 8}), ("v5", 5, None, {"tn": 32, "bh2": 128}),
+    ("v5", None, None, {"tn": 64, "bh": 128, "warps1": 8, "ns1": 0, "maxnreg1": 128, "bk": 128, "num_stages": 3}),
+    ("v5", 3, None, {"tn": 32, "ns1": -1, "bk": 128, "num_stages": 0}),
+    ("v5", None, None, {"rows_per_launch": 2})])
 def test_sparse_mla_decode(impl, nsplit, nacc, v4):
     gen = torch.Generator().manual_seed(6)
     lens, topk, H = [3000, 2500, 100], 2048, 128
@@ -270,19 +275,20 @@ def test_sparse_mla_decode(impl, nsplit, nacc, v4):
     for _ in range(2):  # twice: v4's fused merge counters must reset themselves
         out.fill_(float("nan"))
         mtk.sparse_mla_decode(q.to(DEV), cache.to(DEV), bt.to(DEV), idx.to(DEV), nsplit=nsplit, nacc=nacc, out=out,
-                              impl=impl, bn=32 if impl == "v3" else 64, **v4)
+                              impl=impl, bn={"v3": 32, "v5": None}.get(impl, 64), **v4)
         assert not out.isnan().any()
         assert rel(out, ref) < 1e-2
 
 
-def test_sparse_mla_prefill():
+@pytest.mark.parametrize("impl", ["v1", "v5"])
+def test_sparse_mla_prefill(impl):
     gen = torch.Generator().manual_seed(7)
     L, T, topk, H = 1200, 40, 256, 128
     cache, bt = _mla_cache([L], 64, gen)
     q = (torch.randn(T, H, 576, generator=gen) * 0.5).bfloat16()
     idx = torch.stack([torch.randperm(L, generator=gen)[:topk] for _ in range(T)]).int()
     idx[:, -10:] = -1
-    out = mtk.sparse_mla_prefill(q.to(DEV), cache.to(DEV), bt[0].to(DEV), idx.to(DEV))
+    out = mtk.sparse_mla_prefill(q.to(DEV), cache.to(DEV), bt[0].to(DEV), idx.to(DEV), impl=impl)
     ref = mref.sparse_mla_prefill_ref(q, cache, bt[0], idx, 576 ** -0.5)
     assert rel(out, ref) < 1e-2
 
@@ -361,6 +367,10 @@ def test_bad_input_names_the_field():
         mtk.sparse_mla_decode(torch.randn(1, 128, 576, device=DEV).bfloat16(),
                               torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEV), bt[:1],
                               torch.zeros(1, 8, dtype=torch.int32, device=DEV), impl="v1", fused=True)
+    with pytest.raises(ValueError, match=r"unknown keyword\(s\) \['qloop'\]"):
+        mtk.sparse_mla_decode(torch.randn(1, 128, 576, device=DEV).bfloat16(),
+                              torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEV), bt[:1],
+                              torch.zeros(1, 8, dtype=torch.int32, device=DEV), qloop=True)
     with pytest.raises(ValueError, match="kv_cache uint8"):
         mtk.sparse_mla_decode(torch.randn(1, 64, 512, device=DEV).bfloat16(),
                               torch.zeros(2, 64, 656, dtype=torch.uint8, device=DEV), bt[:1],
