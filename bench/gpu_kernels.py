@@ -273,7 +273,7 @@ def mla_section(args):
         ref = torch.bmm(torch.softmax(s * sm, -1), ck)
         del rows, ck, kp, s
         if args.mla_cfgs:  # a sweep: the given configurations for every batch size
-            cfgs = [dict(c) for c in json.loads(args.mla_cfgs)]
+            cfgs = [dict(c) for c in args.mla_cfgs]
         elif B > 1:
             cfgs = [dict(impl="v1", nsplit=ns_, bn=64, nacc=4, num_warps=8, num_stages=1) for ns_ in (2, 4)]
             cfgs += [dict(impl="v4", bn=32, nacc=4, bh=64, num_warps=8, num_stages=2, qloop=True, progs_per_sm=1)]
@@ -517,6 +517,13 @@ def main():
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
     ap.add_argument("--only-defaults", action="store_true", help="indexer: only v2 and v3 with default settings")
     args = ap.parse_args()
+    if args.mla_cfgs:
+        try:
+            args.mla_cfgs = json.loads(args.mla_cfgs)
+            if not isinstance(args.mla_cfgs, list) or not all(isinstance(c, dict) for c in args.mla_cfgs):
+                raise ValueError("not a list of objects")
+        except ValueError as e:
+            ap.error(f"--mla-cfgs: expected a JSON list of keyword objects, e.g. '[{{\"impl\": \"v5\"}}]' ({e})")
     import triton
     RESULTS.update({
         "command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(),

@@ -565,6 +565,8 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
     if Dq != 576 or kv_cache.shape[-1] != 656 or kv_cache.dtype != torch.uint8:
         raise ValueError(f"sparse_mla: q must be [R, H, 576] and kv_cache uint8 [NB, BS, 656] (FP8 tile-128 rows), got "
                          f"q {tuple(q.shape)}, kv_cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
+    q = q.contiguous()  # once for every impl (v5's row chunks are then views, not copies)
+    indices = indices.to(torch.int32).contiguous()
     if impl == "v5":  # bn / num_warps / num_stages: pass 2's key step, warps and pipeline depth
         if nacc not in (None, 4):
             raise ValueError(f"sparse_mla v5: every program covers all four value tiles, nacc must be 4, got {nacc}")
@@ -589,8 +591,6 @@ def _sparse_mla(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=Non
     if nacc not in (2, 4) or H % 64:
         raise ValueError(f"sparse_mla {impl}: nacc (value tiles of 128 per program) must be 4 or 2 and the head count "
                          f"a multiple of 64, got nacc={nacc}, H={H}")
-    q = q.contiguous()
-    indices = indices.to(torch.int32).contiguous()
     topk = indices.shape[1]
     bs = kv_cache.shape[1]
     flat = kv_cache.view(-1, 656)
@@ -649,8 +649,6 @@ def _sparse_mla_v4(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=
     R, H, Dq = q.shape
     if nacc not in (1, 2, 4) or bh not in (16, 32, 64) or H % bh:
         raise ValueError(f"sparse_mla v4: nacc must be 1, 2 or 4 and bh 16, 32 or 64 dividing H={H}")
-    q = q.contiguous()
-    indices = indices.to(torch.int32).contiguous()
     topk = indices.shape[1]
     bs = kv_cache.shape[1]
     flat = kv_cache.view(-1, 656)
@@ -704,24 +702,16 @@ def _sparse_mla_v5(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit=
     return out
 
 
-def _sparse_mla_v5_rows(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit, out, tn=None, bh=None,
-                        warps1=None, ns1=None, maxnreg1=None, bk=None, bh2=64, warps2=4, num_stages=None,
-                        maxnreg2=None):
+def _sparse_mla_v5_rows(q, kv_cache, block_table, row_seq, indices, sm_scale, nsplit, out, **opts):
     R, H, _ = q.shape
-    cfg = _V5_SMALL if R <= 2 else _V5_MEDIUM if R <= 4 else _V5_LARGE
-    tn = cfg["tn"] if tn is None else tn
-    bh = cfg["bh"] if bh is None else bh
-    warps1 = cfg["warps1"] if warps1 is None else warps1
-    ns1 = cfg["ns1"] if ns1 is None else ns1
-    maxnreg1 = cfg.get("maxnreg1") if maxnreg1 is None else maxnreg1
-    bk = cfg["bk"] if bk is None else bk
-    num_stages = cfg["num_stages"] if num_stages is None else num_stages
+    c = dict(bh2=64, warps2=4, maxnreg1=None, maxnreg2=None)  # defaults: by batch size, then the caller's choices
+    c.update(_V5_SMALL if R <= 2 else _V5_MEDIUM if R <= 4 else _V5_LARGE)
+    c.update({k: v for k, v in opts.items() if v is not None})
+    tn, bh, bk, bh2, ns1 = c["tn"], c["bh"], c["bk"], c["bh2"], c["ns1"]
     if tn not in (32, 64, 128) or bk not in (16, 32, 64, 128) or H % bh or H % bh2 or ns1 not in (0, -1):
         raise ValueError(f"sparse_mla v5: tn (pass-1 key tile) must be 32, 64 or 128, bk (pass-2 key step, `bn`) "
                          f"16..128, bh and bh2 must divide H={H}; got tn={tn}, bk={bk}, bh={bh}, "
                          f"bh2={bh2}, ns1={ns1} (0 or -1)")
-    q = q.contiguous()
-    indices = indices.to(torch.int32).contiguous()
     topk = indices.shape[1]
     bs = kv_cache.shape[1]
     flat = kv_cache.view(-1, 656)
@@ -742,17 +732,16 @@ def _sparse_mla_v5_rows(q, kv_cache, block_table, row_seq, indices, sm_scale, ns
                      torch.empty(R, nsplit, H, 512, dtype=torch.float32, device=dev) if nsplit > 1 else None,
                      torch.empty(R, tpad, dtype=torch.int32, device=dev))
     pbuf, mt, lt, opart, rows = _WS5[key]
-    reg1 = {} if maxnreg1 is None else {"maxnreg": maxnreg1}  # register caps: more programs per SM
-    reg2 = {} if maxnreg2 is None else {"maxnreg": maxnreg2}
+    reg1 = {} if c["maxnreg1"] is None else {"maxnreg": c["maxnreg1"]}  # register caps: more programs per SM
+    reg2 = {} if c["maxnreg2"] is None else {"maxnreg": c["maxnreg2"]}
     _mla_scores_kernel[(R, nt, H // bh)](q, flat, kv32, flat.view(torch.bfloat16), block_table, row_seq, indices,
                                          pbuf, mt, lt, rows, sm_scale * 1.4426950408889634, block_table.stride(0),
-                                         topk, tpad, BS=bs, H=H, BH=bh, BN=tn, NS1=ns1, num_warps=warps1,
+                                         topk, tpad, BS=bs, H=H, BH=bh, BN=tn, NS1=ns1, num_warps=c["warps1"],
                                          num_stages=1, **reg1)
-    _mla_pv_kernel[(R, 4, (H // bh2) * nsplit)](pbuf, mt, lt, rows, flat, kv32, out,
-                                                         out if opart is None else opart, topk, tpad, per_split,
-                                                         H=H, BH=bh2, BK=bk, NT=nt, NT2=triton.next_power_of_2(nt),
-                                                         TN=tn, NSPLIT=nsplit, NS=num_stages,
-                                                         num_warps=warps2, **reg2)
+    _mla_pv_kernel[(R, 4, (H // bh2) * nsplit)](pbuf, mt, lt, rows, flat, kv32, out, out if opart is None else opart,
+                                                topk, tpad, per_split, H=H, BH=bh2, BK=bk, NT=nt,
+                                                NT2=triton.next_power_of_2(nt), TN=tn, NSPLIT=nsplit,
+                                                NS=c["num_stages"], num_warps=c["warps2"], **reg2)
     if nsplit > 1:
         _sum_kernel[(R, H)](opart, out, H=H, NSPLIT=nsplit, NSP2=triton.next_power_of_2(nsplit), num_warps=4)
     return out
