@@ -177,14 +177,16 @@ def indexer_section(args):
         del full
         lens = [int(x) for x in cl.cpu()]
         cfgs = [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2)]
-        if args.only_defaults:
+        if args.idx_cfgs:  # a sweep: the given configurations (full op and score kernel alone) for both shapes
+            cfgs = [dict(c) for c in args.idx_cfgs]
+        elif args.only_defaults:
             cfgs.append(dict(impl="v3"))
         elif not args.quick:
             cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
                      dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
-        if not args.only_defaults:
-            cfgs += [dict(impl="v3"), dict(impl="v3", pair=2, num_stages=2), dict(impl="v3", num_stages=4),
-                     dict(impl="v3", tma=False)]
+        if not (args.only_defaults or args.idx_cfgs):
+            cfgs += [dict(impl="v3"), dict(impl="v4"), dict(impl="v3", pair=2, num_stages=2),
+                     dict(impl="v3", num_stages=4), dict(impl="v3", tma=False)]
         for cfg in cfgs:
             var = "triton " + " ".join(f"{k}={v}" for k, v in cfg.items() if k != "impl").join([cfg["impl"] + " ", ""])
             try:
@@ -205,11 +207,16 @@ def indexer_section(args):
             torch.cuda.empty_cache()
             flush_json(args)
             continue
-        for cfg in (dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4), dict(impl="v3"),
-                    dict(impl="v3", pair=2, num_stages=2)):
+        for cfg in (args.idx_cfgs or (dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4),
+                                      dict(impl="v3"), dict(impl="v4"))):
             record("indexer", case, f"triton {cfg['impl']} score kernel only ({cfg})", shape, bytes_, flops,
                    lambda cfg=cfg: itk.indexer_topk_decode(q, w, codes, scales, bt, cl, topk, score_only=True, **cfg),
                    reps=args.reps, note="stage timing: scores + group maxima, no selection")
+        if args.idx_cfgs:
+            del codes, scales
+            torch.cuda.empty_cache()
+            flush_json(args)
+            continue
         eager = lambda: iref.indexer_topk_decode_eager(q, w, codes, scales, bt, cl, topk, max_context_len=L)
         ei, ev = eager()
         echk = iref.check_topk(ei, ev.double(), full_cpu, lens, topk, rtol=1e-2)
@@ -514,16 +521,23 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer baseline variants (new kernels + best previous)")
     ap.add_argument("--mla-cfgs", default="", help="sparse MLA: JSON list of keyword dicts to time instead of the "
                     "default variants, e.g. '[{\"impl\": \"v5\", \"bk\": 32}]'")
+    ap.add_argument("--idx-cfgs", default="", help="indexer: JSON list of keyword dicts to time (full op and score "
+                    "kernel alone) instead of the default variants, e.g. '[{\"impl\": \"v4\", \"maxnreg\": 96}]'")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
     ap.add_argument("--only-defaults", action="store_true", help="indexer: only v2 and v3 with default settings")
     args = ap.parse_args()
-    if args.mla_cfgs:
+    for flag in ("mla_cfgs", "idx_cfgs"):
+        text = getattr(args, flag)
+        if not text:
+            continue
         try:
-            args.mla_cfgs = json.loads(args.mla_cfgs)
-            if not isinstance(args.mla_cfgs, list) or not all(isinstance(c, dict) for c in args.mla_cfgs):
-                raise ValueError("not a list of objects")
+            cfgs = json.loads(text)
+            if not isinstance(cfgs, list) or not all(isinstance(c, dict) and "impl" in c for c in cfgs):
+                raise ValueError("not a list of objects with an 'impl' key")
         except ValueError as e:
-            ap.error(f"--mla-cfgs: expected a JSON list of keyword objects, e.g. '[{{\"impl\": \"v5\"}}]' ({e})")
+            ap.error(f"--{flag.replace('_', '-')}: expected a JSON list of keyword objects, "
+                     f"e.g. '[{{\"impl\": \"v5\"}}]' ({e})")
+        setattr(args, flag, cfgs)
     import triton
     RESULTS.update({
         "command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(),

@@ -111,7 +111,12 @@ def test_mla_fp8_quantize_to_cache():
 
 
 @pytest.mark.parametrize("impl,tma,kw", [("v1", None, {}), ("v2", None, {}), ("v3", True, {}), ("v3", False, {}),
-                                         ("v3", True, {"pair": 2}), ("v3", False, {"pair": 2, "prefetch_bt": False})])
+                                         ("v3", True, {"pair": 2}), ("v3", False, {"pair": 2, "prefetch_bt": False}),
+                                         ("v4", None, {}), ("v4", None, {"num_stages": 2}),
+                                         ("v4", None, {"num_stages": 4, "progs_per_sm": 1}),
+                                         ("v4", None, {"maxnreg": 96, "progs_per_sm": 5}),
+                                         ("v4", None, {"kperm": False}),
+                                         ("v4", None, {"kperm": False, "scale_tma": False, "num_stages": 3})])
 @pytest.mark.parametrize("bs", [64, 32])
 def test_indexer_topk_decode(bs, impl, tma, kw):
     gen = torch.Generator().manual_seed(3)
@@ -133,7 +138,7 @@ def test_indexer_topk_decode(bs, impl, tma, kw):
         assert res["ok"], res
 
 
-@pytest.mark.parametrize("impl", ["v2", "v3"])
+@pytest.mark.parametrize("impl", ["v2", "v3", "v4"])
 @pytest.mark.parametrize("lens,topk", [([70000, 65536], 2048), ([131072], 2048), ([3000, 200, 9000], 512),
                                        ([40000, 9000], 8192), ([300000], 256)])
 def test_indexer_topk_decode_long(lens, topk, impl):
@@ -209,7 +214,7 @@ def test_indexer_topk_onnx_contract(zero_w):
         assert bool((gs[b, 0, 1:n] <= gs[b, 0, :n - 1]).all())
 
 
-@pytest.mark.parametrize("impl", ["v2", "v3"])
+@pytest.mark.parametrize("impl", ["v2", "v3", "v4"])
 def test_indexer_topk_ties(impl):
     """Many exactly equal scores (w = 0 for all heads but a constant key): ties resolved to exactly k slots."""
     gen = torch.Generator().manual_seed(4)
@@ -224,13 +229,29 @@ def test_indexer_topk_ties(impl):
     assert bool((os_.cpu() == 0).all())
 
 
-def test_indexer_topk_prefill():
+def test_indexer_v4_runs_on_hopper():
+    """v4 falls back to v3 where Gluon / TMA / 64-key pages are missing; on Hopper+ it must not fall back."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("v4 needs Hopper+")
+    codes = torch.zeros(4, 64, 128, dtype=torch.uint8, device=DEV)
+    assert itk._v4_ok(codes)
+    with pytest.raises(ValueError, match="unknown keyword"):
+        itk.indexer_topk_decode(torch.zeros(1, 64, 128, dtype=torch.bfloat16, device=DEV),
+                                torch.zeros(1, 64, device=DEV), codes, torch.zeros(4, 64, 4, dtype=torch.uint8,
+                                                                                    device=DEV),
+                                torch.zeros(1, 4, dtype=torch.int32, device=DEV),
+                                torch.ones(1, dtype=torch.int32, device=DEV), 16, impl="v4", pair=2)
+
+
+@pytest.mark.parametrize("impl", ["v3", "v4"])
+def test_indexer_topk_prefill(impl):
     gen = torch.Generator().manual_seed(5)
     start, T, topk = 600, 96, 256
     codes, scales, bt = _index_cache([start + T], 64, gen)
     q = torch.randn(T, 64, 128, generator=gen).bfloat16()
     w = torch.rand(T, 64, generator=gen) * 0.1
-    oi, os_ = itk.indexer_topk_prefill(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt[0].to(DEV), start, topk)
+    oi, os_ = itk.indexer_topk_prefill(q.to(DEV), w.to(DEV), codes.to(DEV), scales.to(DEV), bt[0].to(DEV), start, topk,
+                                       impl=impl)
     _, _, full = iref.indexer_topk_prefill_ref(q, w, codes, scales, bt[0], start, topk, return_all_scores=True)
     res = iref.check_topk(oi, os_, full, [start + t + 1 for t in range(T)], topk)
     assert res["ok"], res
