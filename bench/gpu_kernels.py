@@ -180,7 +180,7 @@ def indexer_section(args):
         if args.idx_cfgs:  # a sweep: the given configurations (full op and score kernel alone) for both shapes
             cfgs = [dict(c) for c in args.idx_cfgs]
         elif args.only_defaults:
-            cfgs.append(dict(impl="v3"))
+            cfgs += [dict(impl="v3"), dict(impl="v4")]
         elif not args.quick:
             cfgs += [dict(impl="v1", bn=64, num_warps=4, num_stages=2, progs_per_sm=4),
                      dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=4)]
@@ -524,7 +524,7 @@ def main():
     ap.add_argument("--idx-cfgs", default="", help="indexer: JSON list of keyword dicts to time (full op and score "
                     "kernel alone) instead of the default variants, e.g. '[{\"impl\": \"v4\", \"maxnreg\": 96}]'")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
-    ap.add_argument("--only-defaults", action="store_true", help="indexer: only v2 and v3 with default settings")
+    ap.add_argument("--only-defaults", action="store_true", help="indexer: only v2, v3 and v4 with default settings")
     args = ap.parse_args()
     for flag in ("mla_cfgs", "idx_cfgs"):
         text = getattr(args, flag)

@@ -43,14 +43,16 @@ are latency chains of loads, atomics and barriers, ~10 us each at B=1 whatever t
 scales by TMA (B=32 227.6 vs 165.8 us); programmatic dependent launch of the two select kernels
 (bench/results/gpu_kernels_2026-12-02_v6.json: B=1 38.0 vs 34.0 us, B=32 165.8 vs 160.1 us).
 Power-of-two cache pages in [16, 256] only; other page sizes fall back to v2.
-impl "v4" (opt-in; plugins/indexer_topk/gluon.py): the score kernel rewritten in Gluon (explicit layouts, shared memory
-and barriers): one TMA and one mbarrier wait per 64-key page, two thread barriers per page instead of ~12, ~30% fewer
-instructions per page; same select kernels. H200 (bench/results/gpu_kernels_2026-12-03_v12.json, num_stages=2):
-B=32 L=64K 129.3 us (v3 152.4; score kernel 100.1 vs 124.1), B=1 L=128K 32.1 us (v3 35.0; 14.7 vs 17.3). Hopper+,
-64-key pages and 64 index heads; elsewhere it falls back to v3. `kperm` (a fixed permutation of each code group's
-32 positions, applied to q too, so a thread's codes are 8 consecutive bytes: 64-bit shared loads) and `scale_tma`
-(the page's scales by TMA on the same mbarrier instead of plain loads one page ahead) compile for sm_90 (96
-registers with kperm, no spills) but have not run on a GPU yet: off by default.
+impl "v4" (the default since 2026-12-03 where it applies; plugins/indexer_topk/gluon.py): the score kernel
+rewritten in Gluon (explicit layouts, shared memory and barriers): per 64-key page one TMA for the codes and one for
+the scales on one mbarrier, two thread barriers instead of ~12, and a fixed permutation of each code group's 32
+positions (applied to q too, so the dot is unchanged) that makes a thread's codes 8 consecutive bytes (64-bit
+shared loads); ~35% fewer instructions per page than v3, 96 registers. Same select kernels. H200
+(bench/results/gpu_kernels_2026-12-03_v13.json, side by side): B=32 L=64K 123.8 us vs v3 153.3 (score kernel 94.8
+vs 124.7), B=1 L=128K 33.1 vs 36.0 (14.9 vs 17.9). Measured and not kept as defaults: 3 or 4 ring slots (B=32
+125.9 / 129.6 us; the page loop is unrolled once per slot), 5 programs per SM (126.1), 4 candidate programs per SM
+(132.3); without the permutation / scale TMA 128.9 us (v12.json: the first v4). Hopper+, 64-key pages and 64
+index heads; elsewhere v4 falls back to v3.
 `indexer_topk_decode_onnx_contract` adapts the output to kimi.IndexerTopK's contract (int64, sorted, -1 / -1e30).
 """
 
@@ -566,7 +568,7 @@ def _num_sms(device) -> int:
 
 def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap: int, topk: int,
                   bn: int | None = None, num_warps: int = 4, progs_per_sm: int | None = None, out=None,
-                  impl: str = "v3", num_stages: int | None = None, tma: bool | None = None, **v3):
+                  impl: str = "v4", num_stages: int | None = None, tma: bool | None = None, **v3):
     if triton is None:
         raise RuntimeError("indexer_topk Triton kernels need triton and a CUDA GPU")
     if impl not in ("v1", "v2", "v3", "v4"):
@@ -584,8 +586,9 @@ def _indexer_topk(q, weights, k_codes, k_scales, block_table, row_seq, row_len, 
         if t.dtype != want:
             raise ValueError(f"indexer_topk: {name} must be {want}, got {t.dtype}")
     bs = k_codes.shape[1]
-    if impl == "v4" and not _v4_ok(k_codes):
+    if impl == "v4" and not _v4_ok(k_codes, H):
         impl = "v3"  # v4 needs Gluon, TMA (Hopper+) and 64-key pages with 64 index heads
+        v3 = {k: v for k, v in v3.items() if k not in ("kperm", "scale_tma")}
     if impl == "v3" and not (bs & (bs - 1) == 0 and 16 <= bs <= 256):
         impl = "v2"  # v3 tiles by cache page: power-of-two pages only
     if impl == "v4":
@@ -746,20 +749,18 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
 _V4_KW = frozenset({"maxnreg", "kperm", "scale_tma", "cand_warps", "final_warps", "cand_pps", "score_only"})
 
 
-def _v4_ok(k_codes: torch.Tensor) -> bool:
+def _v4_ok(k_codes: torch.Tensor, heads: int = 64) -> bool:
     from . import gluon as g
-    return g.gluon is not None and k_codes.shape[1] == 64 and _tma_ok(k_codes)
+    return g.gluon is not None and k_codes.shape[1] == 64 and heads == 64 and _tma_ok(k_codes)
 
 
 def _indexer_topk_v4(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, progs_per_sm, out,
-                     num_stages, maxnreg=None, kperm=False, scale_tma=False, cand_warps=4, final_warps=8, cand_pps=2,
+                     num_stages, maxnreg=None, kperm=True, scale_tma=True, cand_warps=4, final_warps=8, cand_pps=2,
                      score_only=False):
     """Gluon score kernel (plugins/indexer_topk/gluon.py: one TMA + one mbarrier wait + two thread barriers per
     page), then v2's `_cand_kernel` + `_final_kernel`."""
     from . import gluon as g
     R, H, D = q.shape
-    if H != 64:
-        raise ValueError(f"indexer_topk v4: 64 index heads only, got {H}")
     if not 2 <= num_stages <= 4:
         raise ValueError(f"indexer_topk v4: num_stages must be 2..4, got {num_stages}")
     bs = k_codes.shape[1]
@@ -786,14 +787,16 @@ def _indexer_topk_v4(q, weights, k_codes, k_scales, block_table, row_seq, row_le
 
 def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
                         block_table: torch.Tensor, context_lens: torch.Tensor, topk: int = 2048, *,
-                        bn: int | None = None, num_warps: int = 4, out=None, impl: str = "v3",
+                        bn: int | None = None, num_warps: int = 4, out=None, impl: str = "v4",
                         num_stages: int | None = None, progs_per_sm: int | None = None,
                         tma: bool | None = None, **v3) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, 128] bf16, weights [B, H] f32, k_codes [NB, BS, 128] u8, k_scales [NB, BS, 4] u8,
     block_table [B, MB] i32, context_lens [B] i32 -> (indices [B, topk] i32 (-1 pad), scores [B, topk] f32).
     impl "v3" keywords: prefetch_bt (a program's block-table entries loaded once, default), pair (pages per loop
     iteration; default 1; num_stages defaults to 3 for v3), cand_warps / final_warps (warps of the two select kernels),
-    cand_pps (candidate-kernel programs per SM, default 2)."""
+    cand_pps (candidate-kernel programs per SM, default 2). impl "v4" (default; falls back to v3 where it does not
+    apply) keywords: num_stages (ring slots, 2..4, default 2), kperm / scale_tma (default on), maxnreg, cand_warps,
+    final_warps, cand_pps."""
     B = q.shape[0]
     cap = block_table.shape[1] * k_codes.shape[1]
     return _indexer_topk(q, weights, k_codes, k_scales, block_table, _arange(B, q.device),
@@ -803,7 +806,7 @@ def indexer_topk_decode(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.T
 
 def indexer_topk_prefill(q: torch.Tensor, weights: torch.Tensor, k_codes: torch.Tensor, k_scales: torch.Tensor,
                          block_table_row: torch.Tensor, start_pos: int, topk: int = 2048, *,
-                         bn: int | None = None, num_warps: int = 4, impl: str = "v3",
+                         bn: int | None = None, num_warps: int = 4, impl: str = "v4",
                          tma: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal prefill of one sequence: q [T, H, 128] bf16, weights [T, H]; query t sees positions
     s <= start_pos + t (its keys already written to the cache) -> (indices [T, topk], scores [T, topk])."""
