@@ -52,7 +52,8 @@ shared loads); ~35% fewer instructions per page than v3, 96 registers. Same sele
 vs 124.7), B=1 L=128K 33.1 vs 36.0 (14.9 vs 17.9). Measured and not kept as defaults: 3 or 4 ring slots (B=32
 125.9 / 129.6 us; the page loop is unrolled once per slot), 5 programs per SM (126.1), 4 candidate programs per SM
 (132.3); without the permutation / scale TMA 128.9 us (v12.json: the first v4); the previous page's epilogue
-software-pipelined between this page's async wgmmas and their wait, 127.0 us (v15.json; 128 registers). Hopper+, 64-key pages and 64
+software-pipelined between this page's async wgmmas and their wait, 127.0 us (v15.json; 128 registers); two
+pages per ring slot (twice the bytes in flight, no more unrolling), 127.8 us (v16.json). Hopper+, 64-key pages and 64
 index heads; elsewhere v4 falls back to v3.
 `indexer_topk_decode_onnx_contract` adapts the output to kimi.IndexerTopK's contract (int64, sorted, -1 / -1e30).
 """
