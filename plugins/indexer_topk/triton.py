@@ -780,8 +780,8 @@ def _indexer_topk_v4(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     kd, sd = g.descriptors(k_codes, k_scales)
     g._score4_kernel[(R, triton.cdiv(npages, ppp))](
         q, weights, kd, sd, k_scales.view(torch.int32), block_table, row_seq, row_len,
-        ws[0], ws[1], block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=num_stages, KPERM=bool(kperm), STMA=bool(scale_tma),
-        num_warps=4, maxnreg=maxnreg)
+        ws[0], ws[1], block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=num_stages, KPERM=bool(kperm),
+        STMA=bool(scale_tma), num_warps=4, maxnreg=maxnreg)
     if score_only:
         return ws[0], ws[1]
     return _threshold_select(ws, row_len, out_i, out_s, cap, ngcap, topk, G, nsm, cand_warps, final_warps, cand_pps)
