@@ -82,7 +82,7 @@ def main():
     args = ap.parse_args()
     if "indexer" in args.what:
         indexer([(32, 65536), (1, 131072)],
-                [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2), dict(impl="v3")])
+                [dict(impl="v2", bn=128, num_warps=4, num_stages=1, progs_per_sm=2), dict(impl="v3"), dict(impl="v4")])
     if "mla" in args.what:
         mla([32, 1], lambda B: [dict(impl="v1", nsplit=2 if B > 1 else None, bn=64, nacc=4 if B > 1 else 2,
                                      num_warps=8, num_stages=1)])
