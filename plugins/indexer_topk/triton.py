@@ -712,6 +712,22 @@ def _tma_ok(k_codes: torch.Tensor) -> bool:
     return k_codes.is_cuda and torch.cuda.get_device_capability(k_codes.device)[0] >= 9 and k_codes.data_ptr() % 16 == 0
 
 
+def _page_plan(q, weights, bs: int, cap: int, topk: int, progs_per_sm: int, out):
+    """Shared set-up of the page-tiled score kernels (v3, v4): contiguous q / fp32 weights, the group size and
+    count for the threshold, the workspace, the outputs, the SM count and the pages per program (about
+    progs_per_sm programs per SM over all rows)."""
+    R = q.shape[0]
+    G = _group_size(cap, topk, bs)
+    npages = triton.cdiv(cap, bs)
+    ngcap = npages * (bs // G)
+    ws = _threshold_workspace(q.device, R, cap, ngcap)
+    out_i, out_s = _outputs(R, topk, q.device, out)
+    nsm = _num_sms(q.device)
+    want = max(1, (progs_per_sm * nsm) // max(R, 1))
+    ppp = max(1, triton.cdiv(npages, want))
+    return q.contiguous(), weights.float().contiguous(), G, npages, ngcap, ws, out_i, out_s, nsm, ppp
+
+
 def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_len, cap, topk, num_warps,
                      progs_per_sm, out, num_stages, tma, prefetch_bt=True, cand_warps=4, final_warps=8, pair=1,
                      score_only=False, cand_pps=2, maxnreg=None):
@@ -721,23 +737,13 @@ def _indexer_topk_v3(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     bs = k_codes.shape[1]
     if bs & (bs - 1) or not 16 <= bs <= 256:
         raise ValueError(f"indexer v3 needs a power-of-two cache block size in [16, 256], got {bs}")
-    q = q.contiguous()
-    weights = weights.float().contiguous()
-    G = _group_size(cap, topk, bs)
-    npages = triton.cdiv(cap, bs)
-    ngcap = npages * (bs // G)
-    dev = q.device
-    ws = _threshold_workspace(dev, R, cap, ngcap)
-    out_i, out_s = _outputs(R, topk, dev, out)
+    q, weights, G, npages, ngcap, ws, out_i, out_s, nsm, ppp = _page_plan(q, weights, bs, cap, topk, progs_per_sm, out)
     kd = None
     if tma is None:
         tma = _tma_ok(k_codes)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
         kd = TensorDescriptor.from_tensor(k_codes.view(-1, D).view(torch.float8_e4m3fn), [bs, 32])
-    nsm = _num_sms(dev)
-    want = max(1, (progs_per_sm * nsm) // max(R, 1))
-    ppp = max(1, triton.cdiv(npages, want))
     ppb = triton.next_power_of_2(ppp) if prefetch_bt and ppp <= 64 else 0
     _score3_kernel[(R, triton.cdiv(npages, ppp))](
         q, weights, k_codes, kd, k_scales.view(torch.int32), block_table, row_seq, row_len, ws[0], ws[1],
@@ -762,21 +768,11 @@ def _indexer_topk_v4(q, weights, k_codes, k_scales, block_table, row_seq, row_le
     """Gluon score kernel (plugins/indexer_topk/gluon.py: one TMA + one mbarrier wait + two thread barriers per
     page), then v2's `_cand_kernel` + `_final_kernel`."""
     from . import gluon as g
-    R, H, D = q.shape
+    R, H, _ = q.shape
     if not 2 <= num_stages <= 4:
         raise ValueError(f"indexer_topk v4: num_stages must be 2..4, got {num_stages}")
     bs = k_codes.shape[1]
-    q = q.contiguous()
-    weights = weights.float().contiguous()
-    G = _group_size(cap, topk, bs)
-    npages = triton.cdiv(cap, bs)
-    ngcap = npages * (bs // G)
-    dev = q.device
-    ws = _threshold_workspace(dev, R, cap, ngcap)
-    out_i, out_s = _outputs(R, topk, dev, out)
-    nsm = _num_sms(dev)
-    want = max(1, (progs_per_sm * nsm) // max(R, 1))
-    ppp = max(1, triton.cdiv(npages, want))
+    q, weights, G, npages, ngcap, ws, out_i, out_s, nsm, ppp = _page_plan(q, weights, bs, cap, topk, progs_per_sm, out)
     kd, sd = g.descriptors(k_codes, k_scales)
     g._score4_kernel[(R, triton.cdiv(npages, ppp))](
         q, weights, kd, sd, k_scales.view(torch.int32), block_table, row_seq, row_len,
