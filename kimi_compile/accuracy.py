@@ -11,7 +11,7 @@ are exercised), on `PROMPTS` seeded prompts, and returns (JSON-able, into manife
     recall              per indexed layer: |top-k(q) ∩ top-k(r)| / |top-k(r)| over causally valid keys, all rows
     caches              per paged cache: bytes per token before, after, bf16 (2 bytes per value) and after/bf16
 
-`render_markdown(acc)` is the report.md section. `rebase_feeds` serves --verify once a pass changed the cache
+kimi_compile.report renders the result into report.md. `rebase_feeds` serves --verify once a pass changed the cache
 signature (quantize): it derives feeds for the new signature. Imports no torch.
 """
 
@@ -95,11 +95,8 @@ class _Exec:
 def _session(models: dict[str, ir.Model], vocab: int, block_size: int, max_seq_len: int):
     from kimi_compile.runtime.session import Session
 
-    s = Session.__new__(Session)
-    s.backend = _Exec(models)
-    s.vocab_size, s.block_size, s.eos_token_id = vocab, block_size, None
-    s.runtime = {"caches": graph_caches(models["prefill"]), "max_seq_len": max_seq_len, "block_size": block_size}
-    return s
+    return Session(_Exec(models), {"caches": graph_caches(models["prefill"]), "max_seq_len": max_seq_len,
+                                   "block_size": block_size, "vocab_size": vocab, "eos_token_id": None})
 
 
 def _kl(r: np.ndarray, q: np.ndarray) -> np.ndarray:
@@ -200,24 +197,6 @@ def evaluate(traced: dict[str, ir.Model], quantized: dict[str, ir.Model], cfg, b
         "topk": {k.split(".")[1]: v for k, v in ks.items()},
         "caches": caches,
     }
-
-
-def render_markdown(acc: dict) -> str:
-    lines = ["## Accuracy (quantized vs unquantized)", "",
-             f"{acc['prompts']} prompts (lengths {acc['prompt_lengths']}, seed {acc['seed']}), {acc['new_tokens']} "
-             "greedy tokens each; decode teacher-forced with the unquantized model's tokens.", "",
-             "| metric | value |", "|---|---|",
-             f"| logits relative error | {acc['logits_rel_err']:.3e} |",
-             f"| KL(ref ‖ quant), mean / max (nats) | {acc['kl']:.3e} / {acc['kl_max']:.3e} |",
-             f"| greedy agreement (teacher forced) | {acc['greedy_agreement']:.4f} |",
-             f"| free-running greedy tokens before first mismatch | {acc['greedy_prefix']} of {acc['new_tokens']} |"]
-    for layer, r in acc["recall"].items():
-        lines.append(f"| indexer top-{acc['topk'].get(layer)} recall, layer {layer} | {r} |")
-    lines += ["", "| cache | bytes/token before | after | bf16 | after / bf16 | pools |", "|---|---|---|---|---|---|"]
-    for c in acc["caches"]:
-        lines.append(f"| {c['cache']} | {c['bytes_per_token_before']} | {c['bytes_per_token_after']} | "
-                     f"{c['bytes_per_token_bf16']} | {c['ratio_vs_bf16']} | {'; '.join(c['pools'])} |")
-    return "\n".join(lines) + "\n"
 
 
 def rebase_feeds(m: ir.Model, feeds: dict[str, np.ndarray], prior: dict[str, np.ndarray] | None) -> dict:

@@ -1,8 +1,9 @@
-"""The artifact: a directory with manifest.json, the files it names, and report.md (DESIGN.md §3, "Artifact").
+"""The artifact: a directory with manifest.json, the files it names, and its reports (DESIGN.md §3, "Artifact").
 
-Writing: `ArtifactWriter(out_dir)` stages everything in a temp dir beside `out_dir` (same filesystem). The build adds
-files (`add_file`, or writes to `writer.path(rel)` directly), fills `writer.manifest`, and `commit()` records every
-file's sha256 and size, writes manifest.json and report.md, and renames the staged dir onto `out_dir`. Until then
+Writing: `ArtifactWriter(out_dir, reports=REPORTS)` stages everything in a temp dir beside `out_dir` (same
+filesystem). The build adds files (`add_file`, or writes to `writer.path(rel)` directly), fills `writer.manifest`,
+and `commit()` records every file's sha256 and size, writes manifest.json and the reports (renderers of the final
+manifest, kimi_compile.report), and renames the staged dir onto `out_dir`. Until then
 `out_dir` is untouched; an exception inside the `with` block removes the staged dir; a failed swap restores the
 previous artifact. No temp names ever appear at `out_dir` itself.
 
@@ -33,23 +34,20 @@ import contextlib
 import copy
 import errno
 import json
-import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
 
 from kimi_compile.cache import sha256_file
 
-__all__ = ["SCHEMA_VERSION", "ArtifactError", "ArtifactWriter", "load_manifest", "render_report"]
+__all__ = ["SCHEMA_VERSION", "ArtifactError", "ArtifactWriter", "load_manifest"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
-REPORT = "report.md"
-_RESERVED = {MANIFEST, REPORT}
 
 
 class ArtifactError(Exception):
@@ -79,8 +77,12 @@ class ArtifactWriter:
             w.commit()                                                  # implicit at a clean exit of the block
     """
 
-    def __init__(self, out_dir: str | os.PathLike[str]):
+    def __init__(self, out_dir: str | os.PathLike[str],
+                 reports: Mapping[str, Callable[[Mapping[str, Any]], str]] | None = None):
+        """`reports` maps file names (report.md, ...) to renderers of the final manifest (kimi_compile.report)."""
         self.out_dir = Path(out_dir)
+        self.reports = dict(reports or {})
+        self._reserved = {MANIFEST, *self.reports}
         self.manifest: dict[str, Any] = {}
         self._staging: Path | None = None
         self.committed = False
@@ -122,7 +124,7 @@ class ArtifactWriter:
     def path(self, rel_path: str | os.PathLike[str]) -> Path:
         """Staging path for `rel_path` (parent dirs created), for writers that save files themselves."""
         rel = _check_rel(rel_path, str(self.out_dir))
-        if rel in _RESERVED:
+        if rel in self._reserved:
             raise ArtifactError(self.out_dir, "is written by commit(); choose another name", file=rel)
         dest = self.root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +176,7 @@ class ArtifactWriter:
         return self.out_dir
 
     def _finish(self, staging: Path) -> dict[str, Any]:
-        files = _scan(staging, self.out_dir)
+        files = _scan(staging, self.out_dir, self._reserved)
         manifest = copy.deepcopy(self.manifest)
         manifest["schema_version"] = SCHEMA_VERSION
         manifest["files"] = files
@@ -182,9 +184,10 @@ class ArtifactWriter:
             json.dumps(manifest, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ArtifactError(self.out_dir, f"the manifest is not JSON-able: {e}", file=MANIFEST) from None
-        report = render_report(manifest).encode("utf-8")
-        (staging / REPORT).write_bytes(report)
-        manifest["files"][REPORT] = {"sha256": sha256_file(staging / REPORT), "bytes": len(report)}
+        for name, render in self.reports.items():
+            text = render(manifest).encode("utf-8")
+            (staging / name).write_bytes(text)
+            manifest["files"][name] = {"sha256": sha256_file(staging / name), "bytes": len(text)}
         manifest["files"] = dict(sorted(manifest["files"].items()))
         text = json.dumps(manifest, indent=2, allow_nan=False)
         with open(staging / MANIFEST, "w", encoding="utf-8") as f:
@@ -194,14 +197,14 @@ class ArtifactWriter:
         return manifest
 
 
-def _scan(root: Path, where: Path) -> dict[str, dict[str, Any]]:
+def _scan(root: Path, where: Path, reserved: set[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(filenames):
             full = Path(dirpath) / name
             rel = full.relative_to(root).as_posix()
-            if rel in _RESERVED:
+            if rel in reserved:
                 continue
             if full.is_symlink() or not full.is_file():
                 raise ArtifactError(where, "is a link or special file; artifacts hold regular files", file=rel)
@@ -311,188 +314,3 @@ def load_manifest(artifact_dir: str | os.PathLike[str], verify_hashes: bool = Tr
                     file=rel_ok,
                 )
     return manifest
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# report.md
-
-
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        text = f"{value:.4g}" if math.isfinite(value) else str(value)
-    elif isinstance(value, (dict, list, tuple)):
-        text = json.dumps(value, separators=(", ", ": "))
-    elif value is None:
-        text = ""
-    else:
-        text = str(value)
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> list[str]:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
-    return lines + [""]
-
-
-def _human_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)) or isinstance(n, bool):
-        return _cell(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
-
-
-def _named(section: Any) -> list[tuple[str, Any]]:
-    """{name: info} or [{name: ..., ...}] -> [(name, info)]."""
-    if isinstance(section, Mapping):
-        return [(str(k), v) for k, v in section.items()]
-    if isinstance(section, (list, tuple)):
-        return [(str(item.get("name", i)) if isinstance(item, Mapping) else str(i), item) for i, item in
-                enumerate(section)]
-    return []
-
-
-def _io_rows(items: Any) -> list[list[Any]]:
-    rows = []
-    for name, info in _named(items):
-        if isinstance(info, Mapping):
-            shape = info.get("shape")
-            rows.append([info.get("name", name), info.get("dtype", ""), "[" + ", ".join(map(str, shape)) + "]"
-                         if isinstance(shape, (list, tuple)) else _cell(shape)])
-        else:
-            rows.append([name, _cell(info), ""])
-    return rows
-
-
-def render_report(manifest: Mapping[str, Any]) -> str:
-    """report.md for `manifest`: summary, versions, pass log, graphs, cache layouts, precision plan, files."""
-    recipe = manifest.get("recipe") if isinstance(manifest.get("recipe"), Mapping) else {}
-    model = recipe.get("model") if isinstance(recipe.get("model"), Mapping) else {}
-    backend = manifest.get("backend") if isinstance(manifest.get("backend"), Mapping) else recipe.get("backend", {})
-    files = manifest.get("files") if isinstance(manifest.get("files"), Mapping) else {}
-    title = recipe.get("name") or manifest.get("name") or "artifact"
-    out = [f"# kimi-compile artifact: {title}", ""]
-
-    summary = [
-        ["model", model.get("preset") or model.get("checkpoint") or ""],
-        ["dtype", model.get("dtype", "")],
-        ["backend", backend.get("name", "") if isinstance(backend, Mapping) else backend],
-        ["target", (backend.get("target") if isinstance(backend, Mapping) else None) or recipe.get("target", "")],
-        ["schema version", manifest.get("schema_version", "")],
-        ["files", f"{len(files)} ({_human_bytes(sum(f.get('bytes', 0) for f in files.values()))})"],
-    ]
-    tool = manifest.get("tool")
-    if isinstance(tool, Mapping):
-        summary.insert(0, ["built by", f"{tool.get('name', 'kimi-compile')} {tool.get('version', '')}".strip()])
-    out += ["## Summary", ""] + _table(["", "value"], [r for r in summary if r[1] not in ("", None)])
-
-    versions = manifest.get("versions")
-    if isinstance(versions, Mapping) and versions:
-        out += ["## Versions", ""] + _table(["library", "version"], [[k, v] for k, v in versions.items()])
-
-    passes = manifest.get("pass_log")
-    if isinstance(passes, (list, tuple)) and passes:
-        rows, total_ms = [], 0.0
-        for i, p in enumerate(passes):
-            if not isinstance(p, Mapping):
-                rows.append([i, _cell(p), "", "", "", "", ""])
-                continue
-            counts = p.get("counts", {})
-            counts_text = ", ".join(f"{k}={v}" for k, v in counts.items()) if isinstance(counts, Mapping) else counts
-            ms = p.get("ms")
-            if isinstance(ms, (int, float)) and not isinstance(ms, bool):
-                total_ms += ms
-                ms = f"{ms:.1f}"
-            cached = p.get("cached")
-            nodes = f"{p['nodes_before']} -> {p['nodes_after']}" if "nodes_before" in p and "nodes_after" in p else ""
-            rows.append([i, p.get("name", p.get("pass", "")), p.get("version", ""), p.get("phase", ""),
-                         counts_text, nodes, ms,
-                         {True: "hit", False: "miss"}.get(cached, "") if cached is not None else ""])
-        out += [f"## Passes ({len(passes)}, {total_ms:.1f} ms)", ""]
-        out += _table(["#", "pass", "version", "phase", "counts", "nodes", "ms", "cache"], rows)
-
-    graphs = manifest.get("graphs")
-    if isinstance(graphs, Mapping) and graphs:
-        out += ["## Graphs", ""]
-        for phase, g in graphs.items():
-            if not isinstance(g, Mapping):
-                continue
-            head = f"### {phase}"
-            if g.get("file"):
-                head += f" (`{g['file']}`)"
-            out += [head, ""]
-            if "node_count" in g:
-                out += [f"{g['node_count']} nodes", ""]
-            for kind in ("inputs", "outputs"):
-                if g.get(kind):
-                    out += [f"{kind.capitalize()}:", ""] + _table(["name", "dtype", "shape"], _io_rows(g[kind]))
-            hist = g.get("op_histogram")
-            if isinstance(hist, Mapping) and hist:
-                ranked = sorted(hist.items(), key=lambda kv: (-kv[1] if isinstance(kv[1], (int, float)) else 0,
-                                                              str(kv[0])))
-                out += ["Op histogram:", ""] + _table(["op", "count"], [[k, v] for k, v in ranked])
-
-    layouts = manifest.get("cache_layouts")
-    named = _named(layouts)
-    if named:
-        infos = [(name, info if isinstance(info, Mapping) else {"value": info}) for name, info in named]
-        per_seq = any("bytes_per_sequence" in info for _, info in infos)
-        rows, total, total_seq = [], 0, 0
-        for name, info in infos:
-            bpt, bps = info.get("bytes_per_token"), info.get("bytes_per_sequence")
-            if isinstance(bpt, (int, float)) and not isinstance(bpt, bool):
-                total += bpt
-            if isinstance(bps, (int, float)) and not isinstance(bps, bool):
-                total_seq += bps
-            shape = info.get("shape")
-            row = [name, info.get("kind", ""), info.get("dtype", ""), "[" + ", ".join(map(str, shape)) + "]"
-                   if isinstance(shape, (list, tuple)) else _cell(shape), bpt]
-            rows.append(row + [bps] if per_seq else row)
-        headers = ["cache", "kind", "dtype", "shape", "bytes/token"] + (["bytes/sequence"] if per_seq else [])
-        out += ["## Cache layouts", ""] + _table(headers, rows)
-        total_text = f"Total: {total:g} bytes per token"
-        out += [total_text + (f", {total_seq:g} bytes per sequence." if per_seq else "."), ""]
-
-    plan = manifest.get("precision_plan")
-    if isinstance(plan, (list, tuple)) and plan:
-        rows = []
-        for r in plan:
-            if not isinstance(r, Mapping):
-                rows.append([_cell(r), "", "", ""])
-                continue
-            opts = r.get("options", {})
-            tensors = r.get("tensors", r.get("count", ""))
-            if isinstance(tensors, (list, tuple)):
-                tensors = len(tensors)
-            rows.append([r.get("role", ""), r.get("format", ""),
-                         ", ".join(f"{k}={v}" for k, v in opts.items()) if isinstance(opts, Mapping) else opts,
-                         tensors])
-        out += ["## Precision plan", ""] + _table(["role", "format", "options", "tensors"], rows)
-    elif isinstance(plan, (list, tuple)):
-        out += ["## Precision plan", "", "All tensors in the model dtype (no precision rules).", ""]
-
-    accuracy = manifest.get("accuracy")  # issue 5: quantized vs unquantized (kimi_compile/accuracy.py)
-    if isinstance(accuracy, Mapping) and accuracy:
-        from kimi_compile.accuracy import render_markdown
-
-        out += [render_markdown(dict(accuracy))]
-
-    coverage = manifest.get("op_coverage")
-    if isinstance(coverage, Mapping) and coverage:
-        rows = [[op, info if not isinstance(info, Mapping) else
-                 ", ".join(f"{k}={_cell(v)}" for k, v in info.items())] for op, info in coverage.items()]
-        out += ["## Op coverage", ""] + _table(["op", "coverage"], rows)
-
-    cstats = manifest.get("compile_cache")
-    if isinstance(cstats, Mapping) and cstats:
-        rows = [[s, v.get("hits", 0), v.get("misses", 0)] for s, v in cstats.items() if isinstance(v, Mapping)]
-        out += ["## Compile cache", ""] + _table(["stage", "hits", "misses"], rows)
-
-    if files:
-        rows = [[f"`{rel}`", _human_bytes(info.get("bytes")), str(info.get("sha256", ""))[:16]]
-                for rel, info in files.items() if isinstance(info, Mapping)]
-        out += ["## Files", ""] + _table(["file", "size", "sha256"], rows)
-    return "\n".join(out).rstrip() + "\n"

@@ -1,5 +1,9 @@
 """`kimi-compile build`: recipe -> model -> trace -> passes -> backend -> verified artifact, every stage cached.
 
+    build(recipe, out) = load the model source, trace (cached), run the pipeline (kimi_compile.pipeline: every pass
+    cached, verified and optionally checked against the reference), lower with the backend (cached), write the
+    artifact (manifest + files + reports, atomically).
+
 Stages and cache keys (DESIGN.md §3, "Compile cache"):
     trace    model config + weights fingerprint + torch/onnx/onnxscript versions + trace options
     pass     previous stage key + pass name/version/options + phase
@@ -19,14 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kimi_compile import __version__, ops
-from kimi_compile.coverage import coverage
-from kimi_compile.functions import attach_functions
 from kimi_compile.artifact import ArtifactWriter
 from kimi_compile.cache import CompileCache, cache_key
+from kimi_compile.coverage import coverage
+from kimi_compile.functions import attach_functions
 from kimi_compile.recipe import Recipe
+from kimi_compile.report import REPORTS
+from kimi_compile.trace_spec import PHASES, TraceOptions, cache_layouts, signature
 
 log = logging.getLogger(__name__)
 
@@ -92,76 +96,6 @@ def load_model(recipe: Recipe, workdir: Path):
     return load_pretrained(path, dtype=torch.float32)
 
 
-# ---- numerical check -------------------------------------------------------------------------------------------
-
-
-def reference_feeds(model, opts, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
-    """Fresh random, ragged feeds for both phases (decode starts from the reference prefill's caches)."""
-    import torch
-
-    from kimi_compile.trace import StepGraph, cache_specs
-
-    cfg = model.config
-    rng = np.random.default_rng(seed)
-    B, MB, BS = 2, 4, opts.block_size
-    NB = B * MB + 1
-    T = min(2 * BS - 3, MB * BS - 2)
-    lens = np.array([T, max(2, T // 2)], dtype=np.int64)
-    bt = (np.arange(B * MB, dtype=np.int64).reshape(B, MB) + 1)
-    caches = {}
-    for s in cache_specs(cfg, BS):
-        shape = [B if d == "batch" else NB if d == "num_blocks" else d for d in s.shape]
-        caches[s.name] = np.zeros(shape, dtype=np.float32)
-    prefill = {"input_ids": rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int64),
-               "start": np.zeros(B, np.int64), "lengths": lens, "block_table": bt, **caches}
-    ref = StepGraph(model, BS, False, opts.kda_chunk)
-    with torch.no_grad():
-        outs = ref(*[torch.from_numpy(v) for v in prefill.values()])
-    specs = cache_specs(cfg, BS)
-    after = {s.name: outs[1 + i].numpy() for i, s in enumerate(specs)}
-    decode = {"input_ids": rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int64), "start": lens.copy(),
-              "lengths": np.ones(B, np.int64), "block_table": bt, **after}
-    return {"prefill": prefill, "decode": decode}
-
-
-def reference_outputs(model, opts, phase: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import torch
-
-    from kimi_compile.trace import StepGraph, cache_specs
-
-    ref = StepGraph(model, opts.block_size, phase == "decode", opts.kda_chunk)
-    with torch.no_grad():
-        outs = ref(*[torch.from_numpy(v) for v in feeds.values()])
-    names = ["logits", *[s.name + ".out" for s in cache_specs(model.config, opts.block_size)]]
-    return {n: o.numpy() for n, o in zip(names, outs)}
-
-
-def compare(got: dict[str, np.ndarray], want: dict[str, np.ndarray], feeds: dict[str, np.ndarray]) -> float:
-    """Worst relative error: logits on valid rows, and every cache output."""
-    worst = 0.0
-    lens = feeds["lengths"]
-    for name, w in want.items():
-        g = got[name]
-        if name == "logits":
-            g = np.concatenate([g[b, : lens[b]] for b in range(len(lens))])
-            w = np.concatenate([w[b, : lens[b]] for b in range(len(lens))])
-        denom = float(np.linalg.norm(w)) or 1.0
-        worst = max(worst, float(np.linalg.norm(g.astype(np.float64) - w)) / denom)
-    return worst
-
-
-def ort_run(model_ir, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import onnx_ir as ir
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    model_ir = ir.external_data.load_to_model(model_ir)
-    sess = ort.InferenceSession(ir.to_proto(model_ir).SerializeToString(), so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(None, feeds)))
-
-
 # ---- the build ---------------------------------------------------------------------------------------------------
 
 
@@ -172,181 +106,138 @@ class BuildResult:
     cache_hits: dict
 
 
+class ModelSource:
+    """The recipe's model: its config at once; its weights (the reference model) only when a stage needs them."""
+
+    def __init__(self, recipe: Recipe, workdir: Path, say: Callable[[str], None]):
+        from kimi_compile.config import from_hf_dict, load_config, preset_hf_dict
+
+        self.recipe, self.workdir, self.say = recipe, workdir, say
+        self.fingerprint, self.description = model_source(recipe)
+        self.config = load_config(recipe.model.checkpoint) if recipe.model.checkpoint else \
+            from_hf_dict(preset_hf_dict(recipe.model.preset))
+        self._model = None
+
+    def model(self):
+        if self._model is None:
+            self.say("loading model weights")
+            self._model = load_model(self.recipe, self.workdir)
+        return self._model
+
+
+def trace_options(recipe: Recipe) -> TraceOptions:
+    return TraceOptions(block_size=recipe.export.block_size, kda_chunk=recipe.export.prefill_chunk)
+
+
 def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: CompileCache | None = None,
           progress: Callable[[str], None] | None = None) -> BuildResult:
-    import onnx_ir as ir
-
     from kimi_compile import backends, pipeline
-    from kimi_compile.config import from_hf_dict, load_config, preset_hf_dict
+    from kimi_compile.verify import Verifier
 
     say = progress or (lambda msg: log.info(msg))
     cache = cache or CompileCache()
-    hits: dict[str, list[bool]] = {}
-    if recipe.parallel.tp != 1 or recipe.parallel.cp != 1:
-        raise BuildError("parallel: tp/cp > 1 need the partition passes, which this build does not have yet; "
-                         "set parallel.tp and parallel.cp to 1")
-    backend = backends.get(recipe.backend.name)
-    from kimi_compile.trace_spec import PHASES, TraceOptions, cache_layouts, signature
-
-    opts = TraceOptions(block_size=recipe.export.block_size, kda_chunk=recipe.export.prefill_chunk)
-    passes = pipeline.resolve(recipe.passes, recipe.source or recipe.name,
-                              precision=recipe.to_dict()["precision"])  # issue 5: quantize gets the precision rules
-    vers = versions()
     t_start = time.perf_counter()
+    backend = backends.get(recipe.backend.name)
+    passes = pipeline.resolve(recipe)
+    opts = trace_options(recipe)
     with tempfile.TemporaryDirectory(prefix="kimi-build-") as work:
-        weights_fp, source = model_source(recipe)
-        cfg = load_config(recipe.model.checkpoint) if recipe.model.checkpoint else \
-            from_hf_dict(preset_hf_dict(recipe.model.preset))
-        _model = []
+        src = ModelSource(recipe, Path(work), say)
+        traced, trace_key, trace_hit = _trace_stage(src, opts, cache, say)
+        check = Verifier(src.model(), opts, recipe.verify.tolerance) if verify else None
+        result = pipeline.run({p: m.clone() for p, m in traced.items()}, passes, cache=cache,
+                              keys=dict.fromkeys(PHASES, trace_key), check=check, say=say)
+        entry, record, backend_hit = _backend_stage(backend, recipe, result, cache, say)
+        hits = {"trace": [trace_hit], "pass": result.cache_hits, "backend": [backend_hit]}
+        stats = {k: {"hits": sum(v), "misses": len(v) - sum(v)} for k, v in hits.items()}
+        accuracy = None
+        if recipe.precision and result.rebased:
+            from kimi_compile.accuracy import evaluate
 
-        def model():  # built only when a stage misses or --verify needs the reference
-            if not _model:
-                say("loading model")
-                _model.append(load_model(recipe, Path(work)))
-            return _model[0]
-        trace_key = cache_key(stage="trace", config=cfg.to_dict(), weights=weights_fp, options=dataclasses.asdict(opts),
-                              torch=vers["torch"], onnx=vers["onnx"], onnxscript=vers["onnxscript"],
-                              onnx_ir=vers["onnx_ir"], kimi_compile=__version__)
-
-        def produce_trace(d: Path) -> None:
-            from kimi_compile.trace import trace
-
-            say("tracing prefill and decode graphs")
-            for phase, m in trace(model(), opts).items():
-                ir.save(m, d / f"{phase}.onnx", external_data=f"{phase}.data")
-
-        entry, hit = cache.get_or_create("trace", trace_key, produce_trace)
-        hits.setdefault("trace", []).append(hit)
-        graphs = {p: ir.load(entry / f"{p}.onnx") for p in PHASES}
-        traced = {p: ir.load(entry / f"{p}.onnx") for p in PHASES}  # kept for the coverage report
-        for m in graphs.values():
-            attach_functions(m)
-
-        feeds = reference_feeds(model(), opts) if verify else None
-        expected = {p: reference_outputs(model(), opts, p, feeds[p]) for p in PHASES} if verify else None
-        verify_log: list[dict] = []
-        pass_log: list[dict] = []
-        final_keys = {}
-        quantized: dict[str, Any] = {}  # issue 5: each phase right after the quantize pass (for the accuracy report)
-        rebased_prefill = None
-        for phase in PHASES:
-            key = trace_key
-            m = graphs[phase]
-            if verify:
-                err = compare(ort_run(m, feeds[phase]), expected[phase], feeds[phase])
-                verify_log.append({"phase": phase, "after": "trace", "rel_err": err})
-                if err > recipe.verify.tolerance:
-                    raise BuildError(f"--verify: the traced {phase} graph differs from the reference "
-                                     f"(rel err {err:.2e} > {recipe.verify.tolerance:.0e})")
-            for p in passes:
-                key = cache_key(stage="pass", prev=key, name=p.name, version=p.version,
-                                options=pipeline.options_dict(p), phase=phase)
-                cur = m
-                rec: dict[str, Any] = {}
-
-                def produce_pass(d: Path, cur=cur, p=p) -> None:
-                    say(f"{phase}: pass {p.name}")
-                    r = pipeline.run_pipeline(cur, [p], phase)[0]
-                    ir.save(cur, d / "graph.onnx", external_data="graph.data")
-                    (d / "record.json").write_text(json.dumps(r.to_dict()))
-
-                entry, hit = cache.get_or_create("pass", key, produce_pass)
-                hits.setdefault("pass", []).append(hit)
-                rec = json.loads((entry / "record.json").read_text())
-                rec["cached"] = hit
-                m = ir.load(entry / "graph.onnx")
-                attach_functions(m)
-                if p.name == "quantize" and rec.get("modified"):  # issue 5: the cache signature changed
-                    from kimi_compile.accuracy import rebase_feeds
-
-                    quantized[phase] = ir.load(entry / "graph.onnx")
-                    attach_functions(quantized[phase])
-                    if verify:  # later passes are checked against the quantized graph on feeds of its signature
-                        feeds[phase] = rebase_feeds(m, feeds[phase], rebased_prefill)
-                        got = ort_run(m, feeds[phase])
-                        err = compare({"logits": got["logits"]}, {"logits": expected[phase]["logits"]}, feeds[phase])
-                        verify_log.append({"phase": phase, "after": p.name, "rel_err": err, "rebased": True,
-                                           "note": "quantization error vs the fp32 reference (not checked); later "
-                                                   "passes are compared with this graph"})
-                        expected[phase] = got
-                        rebased_prefill = got if phase == "prefill" else rebased_prefill
-                        pass_log.append(rec)
-                        continue
-                if verify:
-                    err = compare(ort_run(m, feeds[phase]), expected[phase], feeds[phase])
-                    verify_log.append({"phase": phase, "after": p.name, "rel_err": err})
-                    if err > recipe.verify.tolerance:
-                        raise BuildError(f"--verify: pass {p.name!r} broke the {phase} graph (rel err {err:.2e} > "
-                                         f"{recipe.verify.tolerance:.0e}); the graph before it was within tolerance")
-                pass_log.append(rec)
-            graphs[phase] = m
-            final_keys[phase] = key
-
-        backend_key = cache_key(stage="backend", graphs=final_keys, backend=recipe.backend.name,
-                                version=backend.version(), build_version=backend.BUILD_VERSION,
-                                options=recipe.backend.options, target=recipe.target,
-                                export=dataclasses.asdict(recipe.export))
-
-        def produce_backend(d: Path) -> None:
-            say(f"backend {recipe.backend.name}: writing engines")
-            rec = backend.build(graphs, d, {**recipe.backend.options, "_build": {
-                "target": recipe.target, "export": dataclasses.asdict(recipe.export)}})
-            (d / "record.json").write_text(json.dumps(rec))
-
-        entry, hit = cache.get_or_create("backend", backend_key, produce_backend)
-        hits.setdefault("backend", []).append(hit)
-        brec = json.loads((entry / "record.json").read_text())
-        shared = brec.pop("_shared_initializers", 0)
-        trt_info = brec.pop("_trt", None)
-
-        out_dir = Path(out_dir)
-        with ArtifactWriter(out_dir) as w:
+            say("accuracy report: quantized vs unquantized")
+            accuracy = evaluate(traced, result.rebased, src.config, opts.block_size)
+        with ArtifactWriter(Path(out_dir), reports=REPORTS) as w:
             for f in sorted(entry.rglob("*")):
                 rel = f.relative_to(entry).as_posix()
                 if f.is_file() and rel.startswith(("graphs/", "engines/")):
                     w.add_file(rel, src_path=f, link_ok=False)
-            graph_info = {}
-            for phase, g in brec.items():
-                hist: dict[str, int] = {}
-                for n in graphs[phase].graph:
-                    k = f"{n.domain}.{n.op_type}" if n.domain else n.op_type
-                    hist[k] = hist.get(k, 0) + 1
-                graph_info[phase] = {**g, **signature(graphs[phase]), "node_count": len(graphs[phase].graph),
-                                     "op_histogram": dict(sorted(hist.items(), key=lambda kv: -kv[1]))}
-            layouts = cache_layouts(cfg, opts.block_size, graphs["prefill"])  # issue 5: as the passes left them
-            accuracy = None
-            if recipe.precision and quantized:  # issue 5: quantized vs unquantized on a fixed prompt set
-                from kimi_compile.accuracy import evaluate
-
-                say("accuracy report: quantized vs unquantized")
-                for t in traced.values():
-                    attach_functions(t)
-                accuracy = evaluate(traced, quantized, cfg, opts.block_size)
-            w.manifest.update({
-                "tool": {"name": "kimi-compile", "version": __version__},
-                "versions": vers,
-                "recipe": recipe.to_dict(),
-                "model_config": cfg.to_dict(),
-                "model_source": source,
-                "backend": {"name": recipe.backend.name, "version": backend.version(), "target": recipe.target,
-                            "shared_initializers": shared, **({"trt": trt_info} if trt_info else {})},
-                "graphs": graph_info,
-                "cache_layouts": layouts,
-                "bytes_per_token": sum(c["bytes_per_token"] for c in layouts),
-                "pass_log": pass_log,
-                "precision_plan": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r
-                                   for r in recipe.precision],
-                "plugins": {o.qualified: o.version for o in ops.registered()},
-                "op_coverage": {p: coverage(traced[p], graphs[p], cfg) for p in PHASES},
-                "compile_cache": {k: {"hits": sum(v), "misses": len(v) - sum(v)} for k, v in hits.items()},
-                "verify": verify_log,
-                **({"accuracy": accuracy} if accuracy is not None else {}),
-                "build_seconds": round(time.perf_counter() - t_start, 2),
-                "runtime": {"block_size": opts.block_size, "vocab_size": cfg.vocab_size,
-                            "eos_token_id": cfg.eos_token_id, "max_seq_len": recipe.export.max_seq_len,
-                            "caches": [{"name": c["name"], "shape": c["shape"], "dtype": c["dtype"]}
-                                       for c in layouts]},
-            })
+            w.manifest.update(_manifest(recipe, src, backend, record, traced, result, stats, accuracy, opts,
+                                        round(time.perf_counter() - t_start, 2)))
             w.commit()
             manifest = dict(w.manifest)
-    return BuildResult(out_dir, manifest, {k: {"hits": sum(v), "misses": len(v) - sum(v)} for k, v in hits.items()})
+    return BuildResult(Path(out_dir), manifest, stats)
+
+
+def _trace_stage(src: ModelSource, opts: TraceOptions, cache: CompileCache, say) -> tuple[dict, str, bool]:
+    """The traced prefill and decode graphs (functions attached), their cache key and whether the cache hit."""
+    import onnx_ir as ir
+
+    vers = versions()
+    key = cache_key(stage="trace", config=src.config.to_dict(), weights=src.fingerprint,
+                    options=dataclasses.asdict(opts), torch=vers["torch"], onnx=vers["onnx"],
+                    onnxscript=vers["onnxscript"], onnx_ir=vers["onnx_ir"], kimi_compile=__version__)
+
+    def produce(d: Path) -> None:
+        from kimi_compile.trace import trace
+
+        say("tracing prefill and decode graphs")
+        for phase, m in trace(src.model(), opts).items():
+            ir.save(m, d / f"{phase}.onnx", external_data=f"{phase}.data")
+
+    entry, hit = cache.get_or_create("trace", key, produce)
+    graphs = {p: ir.load(entry / f"{p}.onnx") for p in PHASES}
+    for m in graphs.values():
+        attach_functions(m)
+    return graphs, key, hit
+
+
+def _backend_stage(backend, recipe: Recipe, result, cache: CompileCache, say) -> tuple[Path, dict, bool]:
+    key = cache_key(stage="backend", graphs=result.keys, backend=recipe.backend.name, version=backend.version(),
+                    build_version=backend.BUILD_VERSION, options=recipe.backend.options, target=recipe.target,
+                    export=dataclasses.asdict(recipe.export))
+
+    def produce(d: Path) -> None:
+        say(f"backend {recipe.backend.name}: lowering")
+        rec = backend.build(result.graphs, d, {**recipe.backend.options, "_build": {
+            "target": recipe.target, "export": dataclasses.asdict(recipe.export)}})
+        (d / "record.json").write_text(json.dumps(rec))
+
+    entry, hit = cache.get_or_create("backend", key, produce)
+    return entry, json.loads((entry / "record.json").read_text()), hit
+
+
+def _manifest(recipe, src, backend, record, traced, result, stats, accuracy, opts, seconds) -> dict:
+    """The manifest sections the build fills (DESIGN.md §3 "Artifact"); the writer adds files and the schema."""
+    graphs, cfg = result.graphs, src.config
+    extra = {k[1:]: v for k, v in record.items() if k.startswith("_")}  # backend-wide facts (`_name` keys)
+    graph_info = {}
+    for phase, rec in ((k, v) for k, v in record.items() if not k.startswith("_")):
+        hist: dict[str, int] = {}
+        for n in graphs[phase].graph:
+            k = f"{n.domain}.{n.op_type}" if n.domain else n.op_type
+            hist[k] = hist.get(k, 0) + 1
+        graph_info[phase] = {**rec, **signature(graphs[phase]), "node_count": len(graphs[phase].graph),
+                             "op_histogram": dict(sorted(hist.items(), key=lambda kv: -kv[1]))}
+    layouts = cache_layouts(cfg, opts.block_size, graphs["prefill"])
+    return {
+        "tool": {"name": "kimi-compile", "version": __version__},
+        "versions": versions(),
+        "recipe": recipe.to_dict(),
+        "model_config": cfg.to_dict(),
+        "model_source": src.description,
+        "backend": {"name": recipe.backend.name, "version": backend.version(), "target": recipe.target, **extra},
+        "graphs": graph_info,
+        "cache_layouts": layouts,
+        "bytes_per_token": sum(c["bytes_per_token"] for c in layouts),
+        "pass_log": [r.to_dict() for r in result.records],
+        "precision_plan": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in recipe.precision],
+        "plugins": {o.qualified: o.version for o in ops.registered()},
+        "op_coverage": {p: coverage(traced[p], graphs[p], cfg) for p in PHASES},
+        "compile_cache": stats,
+        "verify": result.verify_log,
+        **({"accuracy": accuracy} if accuracy is not None else {}),
+        "build_seconds": seconds,
+        "runtime": {"block_size": opts.block_size, "vocab_size": cfg.vocab_size,
+                    "eos_token_id": cfg.eos_token_id, "max_seq_len": recipe.export.max_seq_len,
+                    "max_batch": recipe.export.max_batch, "prefill_chunk": recipe.export.prefill_chunk,
+                    "caches": [{"name": c["name"], "shape": c["shape"], "dtype": c["dtype"]} for c in layouts]},
+    }

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import click
 
+from kimi_compile.recipe import BACKENDS
+
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError, RuntimeError)
 
 
@@ -45,7 +47,7 @@ def main(ctx, debug, verbose):
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--model", "model_dir", type=click.Path(file_okay=False), help="HF checkpoint directory.")
-@click.option("--backend", type=click.Choice(["onnxruntime", "cuda", "tensorrt"]), help="Override the backend.")
+@click.option("--backend", type=click.Choice(list(BACKENDS)), help="Override the backend.")
 @click.option("--target", help="Override the target (cpu for onnxruntime; a GPU arch such as sm89 for tensorrt).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Artifact directory (default artifacts/NAME).")
 @click.option("--verify", is_flag=True, help="Check ONNX Runtime against the reference after every pass.")

@@ -34,7 +34,8 @@ def verify_artifacts(trt_dir: str | Path, ort_dir: str | Path, tolerance: float 
         trt = get("tensorrt").load(Path(trt_dir), trt_m)
     except EngineLoadError as e:
         return {"executed": False, "reason": str(e)}
-    from kimi_compile.build import compare, load_model, reference_feeds, reference_outputs
+    from kimi_compile.build import load_model
+    from kimi_compile.verify import compare, reference_feeds, reference_outputs
     from kimi_compile.recipe import parse_recipe
     from kimi_compile.trace_spec import TraceOptions
 

@@ -1,24 +1,33 @@
-"""Recipe -> one flat, ordered list of named passes; runs them with a verifier around each and a report.
+"""Recipe -> one flat, ordered list of named passes, and the loop that runs them: compile cache, verifier, numerical
+check and IR dumps around every pass live here, so no pass (and not the build) repeats them.
 
 A pass is an onnx_ir pass class `VerbNounPass` in passes/verb_noun.py with a stable `name`, a `version` (part of the
-cache key), an `Options` dataclass filled from the recipe (validated with the recipe's key path), and a `counts`
-dict saying what it changed. `PASSES` maps recipe names to classes; a recipe naming an unknown pass fails with the
-key path.
+cache key), an `Options` dataclass filled from the recipe (validated with the recipe's key path), and a `run(model,
+stats)` that records what it changed in `stats`; calling the pass returns a `KimiPassResult` carrying those counts
+and near misses. A pass declares what it changes beyond the graph body (`changes_signature`: it rewrites the graph's
+inputs/outputs, e.g. splits a cache into quantized pools); the loop reacts to the declaration, never to a pass name.
+
+    passes = resolve(recipe)                               # [CleanupPass(...), FuseIndexerPass(...), ...]
+    result = run(traced, passes, cache=cache, keys=keys, check=verifier)
+    result.graphs["decode"], result.records, result.keys, result.rebased
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import onnx
 import onnx_ir as ir
 
 from kimi_compile import ops
-from kimi_compile.recipe import PassSpec, RecipeError, coerce_options
+from kimi_compile.functions import attach_functions
+from kimi_compile.recipe import Recipe, RecipeError, coerce_options
 
 PASS_MODULES = {
     "cleanup": "kimi_compile.passes.cleanup",
@@ -28,8 +37,9 @@ PASS_MODULES = {
     "fuse_kda": "kimi_compile.passes.fuse_kda",
     "fuse_moe": "kimi_compile.passes.fuse_moe",
     "fuse_attn_res": "kimi_compile.passes.fuse_attn_res",
-    "quantize": "kimi_compile.passes.quantize",  # issue 5
-    "relayout_nz": "kimi_compile.passes.relayout_nz",  # issue 5
+    "quantize": "kimi_compile.passes.quantize",
+    "relayout_nz": "kimi_compile.passes.relayout_nz",
+    "convert_dtype": "kimi_compile.passes.convert_dtype",
 }
 
 
@@ -37,12 +47,35 @@ class VerifyError(RuntimeError):
     pass
 
 
+class PassStats:
+    """What one run of a pass did: counters (`matches`, `nodes_removed`, `refused.<reason>`, ...) and near misses
+    (each refusal with where and why)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.near_misses: list[dict] = []
+
+    def add(self, key: str, n: int = 1) -> None:
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def refuse(self, reason: str, **where: Any) -> None:
+        self.add(f"refused.{reason}")
+        self.near_misses.append({"reason": reason, **where})
+
+
+@dataclasses.dataclass
+class KimiPassResult(ir.passes.PassResult):
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    near_misses: list[dict] = dataclasses.field(default_factory=list)
+
+
 class KimiPass(ir.passes.InPlacePass):
-    """Base class: subclasses set `name`, `version`, `Options` and implement `run(model) -> bool` (modified),
-    recording what they did in `self.counts`."""
+    """Base class: subclasses set `name`, `version`, `Options` and implement `run(model, stats) -> bool` (modified).
+    `changes_signature = True` declares that the pass rewrites the graph's inputs/outputs."""
 
     name = "base"
     version = 1
+    changes_signature = False
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -51,36 +84,38 @@ class KimiPass(ir.passes.InPlacePass):
     def __init__(self, options: Any = None):
         super().__init__()
         self.options = options if options is not None else self.Options()
-        self.counts: dict[str, int] = {}
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        self.counts = {}
-        modified = self.run(model)
-        return ir.passes.PassResult(model, bool(modified))
+    def call(self, model: ir.Model) -> KimiPassResult:
+        stats = PassStats()
+        modified = self.run(model, stats)
+        return KimiPassResult(model, bool(modified), stats.counts, stats.near_misses)
 
-    def run(self, model: ir.Model) -> bool:  # pragma: no cover - abstract
+    def run(self, model: ir.Model, stats: PassStats) -> bool:  # pragma: no cover - abstract
         raise NotImplementedError
 
 
 def pass_class(name: str) -> type[KimiPass]:
-    mod = importlib.import_module(PASS_MODULES[name])
-    cls = getattr(mod, "PASS")
-    return cls
+    return getattr(importlib.import_module(PASS_MODULES[name]), "PASS")
 
 
-def resolve(passes: tuple[PassSpec, ...], source: str, precision: list[dict] | tuple = ()) -> list[KimiPass]:
+def resolve(recipe: Recipe) -> list[KimiPass]:
     """Instantiate the enabled passes in recipe order, validating their options. A pass whose Options has a `rules`
-    field (quantize) gets the recipe's precision rules there (`Recipe.to_dict()["precision"]`)."""
+    field gets the recipe's precision rules there; one with a `dtype` field gets `model.dtype`."""
+    source = recipe.source or recipe.name
+    precision = recipe.to_dict()["precision"]
     out = []
-    for i, spec in enumerate(passes):
+    for i, spec in enumerate(recipe.passes):
         if spec.name not in PASS_MODULES:
             raise RecipeError(source, f"passes[{i}].name", f"unknown pass {spec.name!r}; known: {sorted(PASS_MODULES)}")
         if not spec.enabled:
             continue
         cls = pass_class(spec.name)
         options = dict(spec.options)
-        if precision and "rules" in {f.name for f in dataclasses.fields(cls.Options)}:  # issue 5: precision rules
+        fields = {f.name for f in dataclasses.fields(cls.Options)}
+        if precision and "rules" in fields:
             options.setdefault("rules", [dict(r) for r in precision])
+        if "dtype" in fields:
+            options.setdefault("dtype", recipe.model.dtype)
         out.append(cls(coerce_options(cls.Options, options, f"passes[{i}].options", source)))
     return out
 
@@ -94,7 +129,7 @@ def verify_model(model: ir.Model, where: str) -> None:
                     ops.lookup(node.op_type, node=node.name)
                 except ops.UnknownOpError as e:
                     raise VerifyError(f"{where}: {e}") from None
-                if (ops.DOMAIN, node.op_type, "") not in model.functions:
+                if (ops.DOMAIN, node.op_type, node.overload) not in model.functions:
                     raise VerifyError(f"{where}: node {node.name!r} ({ops.DOMAIN}.{node.op_type}) has no function body")
     proto = ir.to_proto(model)
     # weights in external files the checker cannot see from here are checked as typed graph inputs instead
@@ -118,6 +153,7 @@ class PassRecord:
     modified: bool
     nodes_before: int
     nodes_after: int
+    near_misses: int = 0
     cached: bool = False
 
     def to_dict(self) -> dict:
@@ -128,21 +164,74 @@ def options_dict(p: KimiPass) -> dict:
     return dataclasses.asdict(p.options)
 
 
-def run_pipeline(model: ir.Model, passes: list[KimiPass], phase: str,
-                 check: Callable[[ir.Model, str], None] | None = None) -> list[PassRecord]:
-    """Run passes in order on one phase graph; verify before and after each; `check(model, pass_name)` (the --verify
-    numerics) runs after each pass and raises on the first one that breaks tolerance."""
-    verify_model(model, f"{phase}: traced graph")
-    records = []
-    for p in passes:
-        before = len(model.graph)
-        t0 = time.perf_counter()
-        result = p(model)
-        ms = (time.perf_counter() - t0) * 1e3
-        model = result.model
-        verify_model(model, f"{phase}: after pass {p.name}")
+class Check(Protocol):
+    """The numerical check around each pass (`kimi_compile.verify.Verifier`): `__call__(phase, model, after,
+    rebase)` returns a log row and raises VerifyError when `after` broke tolerance; `rebase=True` (the pass changed
+    the signature) re-derives the feeds for the new signature and makes this graph the new expectation."""
+
+    def __call__(self, phase: str, model: ir.Model, after: str, rebase: bool) -> dict: ...
+
+
+@dataclasses.dataclass
+class PipelineResult:
+    graphs: dict[str, ir.Model]  # phase -> optimized graph
+    keys: dict[str, str]  # phase -> compile-cache key of its last stage
+    records: list[PassRecord]
+    rebased: dict[str, ir.Model]  # phase -> graph right after the last signature-changing pass (if any)
+    verify_log: list[dict]
+    cache_hits: list[bool]
+
+
+def run(graphs: dict[str, ir.Model], passes: list[KimiPass], *, cache=None, keys: dict[str, str] | None = None,
+        check: Check | None = None, dump_dir: str | Path | None = None,
+        say: Callable[[str], None] = lambda _msg: None) -> PipelineResult:
+    """Run `passes` in order on every phase graph. Around each pass: the verifier before and after; with `cache`
+    (a CompileCache) and `keys` (phase -> key of the input stage), each pass's output is a cache entry keyed by
+    (input key, pass name, version, options, phase); `check` runs the numerics after the input and after each
+    pass; `dump_dir` receives the IR text after each pass (`<dump_dir>/<phase>/<NN>_<pass>.txt`)."""
+    from kimi_compile.cache import cache_key
+
+    out = PipelineResult({}, {}, [], {}, [], [])
+    for phase, m in graphs.items():
+        key = (keys or {}).get(phase, "")
         if check is not None:
-            check(model, p.name)
-        records.append(PassRecord(p.name, p.version, phase, dict(p.counts), round(ms, 3), result.modified, before,
-                                  len(model.graph)))
-    return records
+            out.verify_log.append(check(phase, m, "trace", False))
+        for i, p in enumerate(passes):
+            key = cache_key(stage="pass", prev=key, name=p.name, version=p.version, options=options_dict(p),
+                            phase=phase)
+            if cache is None:
+                rec = _run_one(m, p, phase, say)
+            else:
+                def produce(d: Path, m=m, p=p) -> None:
+                    r = _run_one(m, p, phase, say)
+                    ir.save(m, d / "graph.onnx", external_data="graph.data")
+                    (d / "record.json").write_text(json.dumps(r.to_dict()))
+
+                entry, hit = cache.get_or_create("pass", key, produce)
+                out.cache_hits.append(hit)
+                rec = PassRecord(**{**json.loads((entry / "record.json").read_text()), "cached": hit})
+                m = ir.load(entry / "graph.onnx")
+                attach_functions(m)
+            if p.changes_signature and rec.modified:
+                out.rebased[phase] = m.clone()
+            if check is not None:
+                out.verify_log.append(check(phase, m, p.name, p.changes_signature and rec.modified))
+            if dump_dir is not None:
+                d = Path(dump_dir) / phase
+                d.mkdir(parents=True, exist_ok=True)
+                (d / f"{i:02d}_{p.name}.txt").write_text(str(m))
+            out.records.append(rec)
+        out.graphs[phase], out.keys[phase] = m, key
+    return out
+
+
+def _run_one(model: ir.Model, p: KimiPass, phase: str, say: Callable[[str], None]) -> PassRecord:
+    say(f"{phase}: pass {p.name}")
+    verify_model(model, f"{phase}: before pass {p.name}")
+    before = len(model.graph)
+    t0 = time.perf_counter()
+    result = p(model)
+    ms = (time.perf_counter() - t0) * 1e3
+    verify_model(result.model, f"{phase}: after pass {p.name}")
+    return PassRecord(p.name, p.version, phase, dict(result.counts), round(ms, 3), result.modified, before,
+                      len(result.model.graph), len(result.near_misses))

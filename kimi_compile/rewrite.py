@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass
+from kimi_compile.pipeline import KimiPass, PassStats
 
 log = logging.getLogger("kimi_compile.fusion")
 
@@ -257,12 +257,11 @@ class FusionPass(KimiPass):
     def rewrite_all(self, model: ir.Model, found: list) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def run(self, model: ir.Model) -> bool:
+    def run(self, model: ir.Model, stats: PassStats) -> bool:
         import onnx_ir.passes.common as common
 
         debug = getattr(self.options, "debug", False) or os.environ.get("KIMI_COMPILE_DEBUG_FUSION") == "1"
         matches, refused = 0, {}
-        self.near_misses: list[dict] = []
         before = len(model.graph)
         found = []
         for node in list(self.anchors(model)):
@@ -270,8 +269,8 @@ class FusionPass(KimiPass):
                 data = self.match(model, node)
             except Refuse as r:
                 refused[r.reason] = refused.get(r.reason, 0) + 1
-                self.near_misses.append({"anchor": node.name, "op": node.op_type, "reason": r.reason,
-                                         "detail": r.detail})
+                stats.near_misses.append({"anchor": node.name, "op": node.op_type, "reason": r.reason,
+                                          "detail": r.detail})
                 if debug:
                     log.warning("[%s] refused %s (%s): %s %s", self.name, node.name, node.op_type, r.reason, r.detail)
                 continue
@@ -289,8 +288,8 @@ class FusionPass(KimiPass):
             from kimi_compile.functions import attach_functions
 
             attach_functions(model)
-        self.counts = {"matches": matches, "nodes_removed": before - len(model.graph),
-                       **{f"refused.{k}": v for k, v in sorted(refused.items())}}
+        stats.counts.update({"matches": matches, "nodes_removed": before - len(model.graph),
+                             **{f"refused.{k}": v for k, v in sorted(refused.items())}})
         log.info("[%s] matches=%d", self.name, matches)
         return matches > 0
 

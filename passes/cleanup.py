@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass
+from kimi_compile.pipeline import KimiPass, PassStats
 
 
 class CleanupPass(KimiPass):
@@ -23,7 +23,7 @@ class CleanupPass(KimiPass):
     class Options:
         fold_constants: bool = True
 
-    def run(self, model: ir.Model) -> bool:
+    def run(self, model: ir.Model, stats: PassStats) -> bool:
         kimi_before = sum(1 for n in model.graph if n.domain == DOMAIN)
         nodes_before = len(model.graph)
         inits_before = len(model.graph.initializers)
@@ -39,11 +39,11 @@ class CleanupPass(KimiPass):
             del model.functions[k]
         kimi_after = sum(1 for n in model.graph if n.domain == DOMAIN)
         assert kimi_after == kimi_before, "cleanup must not touch kimi.* nodes"
-        self.counts = {
+        stats.counts.update({
             "nodes_removed": nodes_before - len(model.graph),
             "initializers_removed": inits_before - len(model.graph.initializers),
             "functions_removed": len(removed_fn),
-        }
+        })
         return nodes_before != len(model.graph) or inits_before != len(model.graph.initializers) or bool(removed_fn)
 
 

@@ -8,7 +8,7 @@ import dataclasses
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-from kimi_compile.pipeline import KimiPass
+from kimi_compile.pipeline import KimiPass, PassStats
 
 
 def _known(model: ir.Model) -> int:
@@ -24,11 +24,11 @@ class InferShapesPass(KimiPass):
         strict: bool = False
         data_prop: bool = True  # propagate shape values through Shape/Gather/Concat chains
 
-    def run(self, model: ir.Model) -> bool:
+    def run(self, model: ir.Model, stats: PassStats) -> bool:
         before = _known(model)
         common.ShapeInferencePass(check_type=True, strict_mode=self.options.strict, data_prop=self.options.data_prop)(model)
         after = _known(model)
-        self.counts = {"values_typed": after - before, "values_total": sum(len(n.outputs) for n in model.graph)}
+        stats.counts.update({"values_typed": after - before, "values_total": sum(len(n.outputs) for n in model.graph)})
         return after != before
 
 

@@ -55,7 +55,7 @@ import onnx_ir as ir
 
 from kimi_compile.functions import attach_functions
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass
+from kimi_compile.pipeline import KimiPass, PassStats
 from kimi_compile.rewrite import static_last
 
 RULE = "quantize"
@@ -177,6 +177,7 @@ _ABSORBED_MLA = ("bthd,hdr->bthr", "bthr,hvr->bthv")  # decode's q_nope @ W_UK a
 class QuantizePass(KimiPass):
     name = "quantize"
     version = 1
+    changes_signature = True  # quantized caches become new graph inputs/outputs (codes, scale and kept pools)
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -184,6 +185,16 @@ class QuantizePass(KimiPass):
         latent_rope: Literal["keep", "fp8"] = "keep"  # the latent's trailing Concat part (RoPE dims)
         keep_dtype: Literal["float32", "float16"] = "float32"  # storage of kept cache parts
         min_weight_elements: int = dataclasses.field(default=1024, metadata={"min": 0})
+
+    def run(self, model: ir.Model, stats: PassStats) -> bool:
+        return _Quantizer(self.options, stats).run(model)
+
+
+class _Quantizer:
+    """One run of the quantize pass: the rules, and the counts and refusals it records."""
+
+    def __init__(self, options: QuantizePass.Options, stats: PassStats):
+        self.options, self.stats = options, stats
 
     # ---- rules ----------------------------------------------------------------------------------------------
 
@@ -194,19 +205,17 @@ class QuantizePass(KimiPass):
         return None
 
     def _count(self, key: str, n: int = 1) -> None:
-        self.counts[key] = self.counts.get(key, 0) + n
+        self.stats.add(key, n)
 
     def _refuse(self, reason: str, where: str) -> None:
-        self._count(f"refused.{reason}")
-        self.refusals.append({"reason": reason, "where": where})
+        self.stats.refuse(reason, where=where)
 
     # ---- run ------------------------------------------------------------------------------------------------
 
     def run(self, model: ir.Model) -> bool:
-        self.refusals: list[dict] = []
         g = model.graph
         before = len(g)
-        self.counts = {"bytes_saved": 0, "cache_bytes_per_token_saved": 0}
+        self.stats.counts.update({"bytes_saved": 0, "cache_bytes_per_token_saved": 0})
         for inp in list(g.inputs):
             kind = inp.name.split(".", 1)[0]
             if kind in _CACHE_ROLE and "." in inp.name:
@@ -215,8 +224,8 @@ class QuantizePass(KimiPass):
         if len(g) != before:
             g.sort()
             attach_functions(model)
-        self.counts["nodes_added"] = len(g) - before
-        return len(g) != before or self.counts["bytes_saved"] != 0
+        self.stats.counts["nodes_added"] = len(g) - before
+        return len(g) != before or self.stats.counts["bytes_saved"] != 0
 
     # ---- caches and the indexer --------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from kimi_compile.functions import attach_functions
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass
+from kimi_compile.pipeline import KimiPass, PassStats
 from kimi_compile.plugins.matmul_nz import nd_to_nz, nz_block
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -40,9 +40,6 @@ class RelayoutNZPass(KimiPass):
         def __post_init__(self):
             if self.block and (len(self.block) != 2 or min(self.block) <= 0):
                 raise ValueError(f"block must be () or two positive ints (m0, n0), got {list(self.block)}")
-
-    def _refuse(self, reason: str) -> None:
-        self.counts[f"refused.{reason}"] = self.counts.get(f"refused.{reason}", 0) + 1
 
     def _weight(self, node: ir.Node) -> tuple[ir.Value | None, ir.Node | None, str | None]:
         """(stored initializer, Cast between it and the node or None, refusal reason or None)."""
@@ -62,9 +59,10 @@ class RelayoutNZPass(KimiPass):
             return None, None, "too_small"
         return w, cast, None
 
-    def run(self, model: ir.Model) -> bool:
+    def run(self, model: ir.Model, stats: PassStats) -> bool:
         g = model.graph
-        self.counts = {"matches": 0, "weights_relaid": 0, "padding_bytes": 0}
+        counts = stats.counts
+        counts.update({"matches": 0, "weights_relaid": 0, "padding_bytes": 0})
         done: dict[tuple[str, bool], ir.Value] = {}  # (initializer, transposed) -> NZ initializer
         casts: dict[tuple[str, bool], ir.Value] = {}
         touched: set[str] = set()
@@ -76,11 +74,11 @@ class RelayoutNZPass(KimiPass):
                 a = node.attributes
                 trans = bool(a.get_int("transB", 0))
                 if a.get_int("transA", 0) or a.get_float("alpha", 1.0) != 1.0 or a.get_float("beta", 1.0) != 1.0:
-                    self._refuse("gemm_attrs")
+                    stats.add("refused.gemm_attrs")
                     continue
             w, cast, why = self._weight(node)
             if why is not None:
-                self._refuse(why)
+                stats.add(f"refused.{why}")
                 continue
             arr = w.const_value.numpy()
             plain = arr.T if trans else arr
@@ -96,8 +94,8 @@ class RelayoutNZPass(KimiPass):
                                          "kimi.nd_shape": f"{K}x{N}"})
                 g.register_initializer(v)
                 done[key] = v
-                self.counts["weights_relaid"] += 1
-                self.counts["padding_bytes"] += (nz.size - plain.size) * arr.dtype.itemsize
+                counts["weights_relaid"] += 1
+                counts["padding_bytes"] += (nz.size - plain.size) * arr.dtype.itemsize
                 if cast is not None:
                     c = ir.node("Cast", [v], {"to": ir.DataType.FLOAT}, outputs=[ir.Value(name=name + ".f32")],
                                 name=f"{name}.cast", metadata_props={"kimi.rule": "relayout_nz"})
@@ -122,7 +120,7 @@ class RelayoutNZPass(KimiPass):
             y.replace_all_uses_with(out, replace_graph_outputs=True)
             g.remove(node, safe=True)
             out.name, out.shape, out.dtype = name, shape, dtype
-            self.counts["matches"] += 1
+            counts["matches"] += 1
             touched.add(w.name)
             if cast is not None:
                 touched.add(cast.outputs[0].name)
@@ -132,9 +130,9 @@ class RelayoutNZPass(KimiPass):
             v = g.initializers.get(name)
             if v is not None and not v.uses() and not v.is_graph_output():
                 g.initializers.pop(name)
-        if self.counts["matches"]:
+        if counts["matches"]:
             attach_functions(model)
-        return self.counts["matches"] > 0
+        return counts["matches"] > 0
 
 
 PASS = RelayoutNZPass

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kimi_compile import artifact as artifact_mod
-from kimi_compile.artifact import SCHEMA_VERSION, ArtifactError, ArtifactWriter, load_manifest, render_report
+from kimi_compile.artifact import SCHEMA_VERSION, ArtifactError, ArtifactWriter, load_manifest
+from kimi_compile.report import REPORTS, render_report
 
 MANIFEST_EXTRA = {
     "tool": {"name": "kimi-compile", "version": "0.1.0"},
@@ -38,7 +39,7 @@ MANIFEST_EXTRA = {
 
 
 def _build(out: Path, payload: bytes = b"weights-v1", extra: dict | None = None) -> Path:
-    with ArtifactWriter(out) as w:
+    with ArtifactWriter(out, reports=REPORTS) as w:
         w.add_file("graphs/prefill.onnx", data=b"onnx-bytes")
         w.add_file("weights/model.bin", data=payload)
         w.manifest.update(MANIFEST_EXTRA if extra is None else extra)
@@ -65,7 +66,7 @@ def test_add_file_links_copies_and_direct_writes(tmp_path):
     src = tmp_path / "cache_entry.bin"
     src.write_bytes(b"from-cache")
     out = tmp_path / "art"
-    with ArtifactWriter(out) as w:
+    with ArtifactWriter(out, reports=REPORTS) as w:
         linked = w.add_file("weights/a.bin", src_path=src)
         copied = w.add_file("weights/b.bin", src_path=src, link_ok=False)
         assert linked.stat().st_ino == src.stat().st_ino
@@ -101,7 +102,7 @@ def test_exception_in_context_leaves_previous_artifact(tmp_path):
     out = _build(tmp_path / "art", b"v1")
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with pytest.raises(RuntimeError, match="trace failed"):
-        with ArtifactWriter(out) as w:
+        with ArtifactWriter(out, reports=REPORTS) as w:
             w.add_file("weights/model.bin", data=b"half-written")
             raise RuntimeError("trace failed")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -112,7 +113,7 @@ def test_exception_in_context_leaves_previous_artifact(tmp_path):
 def test_interrupted_first_build_leaves_nothing(tmp_path):
     out = tmp_path / "art"
     with pytest.raises(KeyboardInterrupt):
-        with ArtifactWriter(out) as w:
+        with ArtifactWriter(out, reports=REPORTS) as w:
             w.add_file("a", data=b"x")
             raise KeyboardInterrupt
     assert not out.exists() and _siblings(out) == []
@@ -142,7 +143,7 @@ def test_manifest_must_be_json(tmp_path):
 
     out = tmp_path / "art"
     with pytest.raises(ArtifactError, match="manifest.json: the manifest is not JSON-able"):
-        with ArtifactWriter(out) as w:
+        with ArtifactWriter(out, reports=REPORTS) as w:
             w.manifest["x"] = NotJson()
     assert not out.exists() and _siblings(out) == []
 
@@ -253,7 +254,7 @@ def test_report_tolerates_sparse_or_odd_manifests():
 
 def _commit_in_process(out: str, payload: bytes, barrier, queue) -> None:
     try:
-        with ArtifactWriter(out) as w:
+        with ArtifactWriter(out, reports=REPORTS) as w:
             w.add_file("weights/model.bin", data=payload)
             w.manifest.update(MANIFEST_EXTRA)
             barrier.wait(timeout=10)
@@ -284,6 +285,6 @@ def test_two_processes_commit_one_out_dir(tmp_path):
 def test_symlinks_are_refused(tmp_path):
     out = tmp_path / "art"
     with pytest.raises(ArtifactError, match="weights/link: is a link or special file"):
-        with ArtifactWriter(out) as w:
+        with ArtifactWriter(out, reports=REPORTS) as w:
             w.path("weights/link").symlink_to("/etc/hostname")
     assert _siblings(out) == []

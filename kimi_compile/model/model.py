@@ -8,13 +8,13 @@ where weights.py maps (stacked experts, the AttnRes proj/norm pairs, the padded 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from kimi_compile.config import KimiConfig
+from kimi_compile.paged import BlockAllocator
 from kimi_compile.model.attn_res import AttnResMix
 from kimi_compile.model.common import GatedMLP, RMSNorm, Step
 from kimi_compile.model.kda import KimiDeltaAttention
@@ -174,11 +174,9 @@ class KimiCache:
     def __init__(self, cfg: KimiConfig, batch_size: int, max_seq_len: int, block_size: int = 16,
                  num_blocks: int | None = None, dtype: torch.dtype = torch.float32, kda_chunk: int = 64):
         self.cfg, self.batch_size, self.block_size, self.kda_chunk = cfg, batch_size, block_size, kda_chunk
-        self.max_blocks = math.ceil(max_seq_len / block_size)
-        self.num_blocks = num_blocks or batch_size * self.max_blocks + 1
-        self.block_table = torch.zeros(batch_size, self.max_blocks, dtype=torch.long)
-        self.blocks_used = [0] * batch_size
-        self.free = list(range(self.num_blocks - 1, 0, -1))
+        self.blocks = BlockAllocator(batch_size, max_seq_len, block_size, num_blocks)
+        self.max_blocks, self.num_blocks = self.blocks.max_blocks, self.blocks.num_blocks
+        self.block_table = torch.from_numpy(self.blocks.block_table)  # shares memory with the allocator's table
         self.seq_lens = torch.zeros(batch_size, dtype=torch.long)
         P, W = cfg.kda_proj_dim, cfg.short_conv_kernel_size
         self.layers: list[LayerCache] = []
@@ -196,13 +194,4 @@ class KimiCache:
 
     def reserve(self, new_lens: Tensor) -> None:
         """Allocate blocks so that sequence b can hold new_lens[b] tokens."""
-        for b, n in enumerate(new_lens.tolist()):
-            need = math.ceil(n / self.block_size)
-            if need > self.max_blocks:
-                raise ValueError(f"sequence {b}: {n} tokens exceed the cache's max_seq_len "
-                                 f"({self.max_blocks * self.block_size})")
-            while self.blocks_used[b] < need:
-                if not self.free:
-                    raise RuntimeError("KimiCache: out of blocks; allocate the cache with more num_blocks")
-                self.block_table[b, self.blocks_used[b]] = self.free.pop()
-                self.blocks_used[b] += 1
+        self.blocks.reserve(new_lens.numpy())

@@ -6,7 +6,7 @@ import onnx_ir as ir
 from onnx import TensorProto as T
 from onnx import helper as h
 
-from kimi_compile.build import ort_run
+from kimi_compile.verify import ort_run
 from kimi_compile.functions import attach_functions
 
 NB, BS, B, MB, N = 5, 4, 2, 2, 6

@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from kimi_compile.build import compare, ort_run, reference_feeds, reference_outputs
+from kimi_compile.verify import compare, ort_run, reference_feeds, reference_outputs
 from kimi_compile.config import preset
 from kimi_compile.functions import attach_functions
 from kimi_compile.model.weights import build_model, init_random

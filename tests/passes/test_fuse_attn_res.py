@@ -21,11 +21,10 @@ def test_positive_two_stages(k31, phase):
     m = k31.fresh(phase)
     before = k31.run(m, phase)
     h0 = histogram(m)
-    p = FuseAttnResPass()
-    p(m)
+    r = FuseAttnResPass()(m)
     verify_model(m, "test")
     h = histogram(m)
-    assert p.counts["matches"] == h["kimi.AttnResMerge"] == _mix_points(k31.cfg)
+    assert r.counts["matches"] == h["kimi.AttnResMerge"] == _mix_points(k31.cfg)
     assert h["kimi.AttnResStage1"] == _banks(k31.cfg)  # stage 1 once per bank state
     assert h0["RMSNormalization"] - h["RMSNormalization"] == _mix_points(k31.cfg)  # the norm after each mix is fused
     assert not [n for n in m.graph if n.op_type == "Softmax" and n.attributes["axis"].value == 0]
@@ -42,9 +41,8 @@ def test_refuses_when_the_mix_is_not_followed_by_one_norm(k31):
     extra = ir.node("Neg", [red.outputs[0]])
     m.graph.append(extra)
     m.graph.outputs.append(extra.outputs[0])
-    p = FuseAttnResPass()
-    p(m)
-    assert p.counts.get("refused.no_following_norm") == 1 and p.counts["matches"] == _mix_points(k31.cfg) - 1
+    r = FuseAttnResPass()(m)
+    assert r.counts.get("refused.no_following_norm") == 1 and r.counts["matches"] == _mix_points(k31.cfg) - 1
 
 
 def test_refuses_non_constant_query(k31):
@@ -57,6 +55,5 @@ def test_refuses_non_constant_query(k31):
     ident = ir.node("Identity", [mm.inputs[1]])
     m.graph.insert_before(mm, ident)
     mm.replace_input_with(1, ident.outputs[0])
-    p = FuseAttnResPass()
-    p(m)
-    assert p.counts.get("refused.query_not_constant") == 1
+    r = FuseAttnResPass()(m)
+    assert r.counts.get("refused.query_not_constant") == 1

@@ -17,18 +17,17 @@ def _indexer_topk(m):
 def test_positive_one_node_per_indexed_layer(k31, phase):
     m = k31.fresh(phase)
     before = histogram(m)
-    p = FuseIndexerPass()
-    p(m)
+    r = FuseIndexerPass()(m)
     verify_model(m, "test")
     after = histogram(m)
     n_idx = len(k31.cfg.indexed_layer_ids)
-    assert p.counts["matches"] == n_idx == after["kimi.IndexerTopK"]
+    assert r.counts["matches"] == n_idx == after["kimi.IndexerTopK"]
     assert after["TopK"] == before["TopK"] - n_idx  # only the MoE router TopKs remain
     assert after["Relu"] == before["Relu"] - n_idx and after["kimi.PagedGather"] == before["kimi.PagedGather"] - n_idx
     assert after["ReduceSum"] == before["ReduceSum"] - n_idx
     assert not _indexer_topk(m)
     assert all(n.metadata_props.get("kimi.rule") == "fuse_indexer" for n in m.graph if n.op_type == "IndexerTopK")
-    assert p.counts["refused.no_padded_score_row"] == before["TopK"] - n_idx  # the router TopKs, with a reason
+    assert r.counts["refused.no_padded_score_row"] == before["TopK"] - n_idx  # the router TopKs, with a reason
 
 
 @pytest.mark.parametrize("phase", PHASES)
@@ -44,9 +43,8 @@ def test_numerics_before_and_after(k31, phase):
 def test_idempotent(k31):
     m = k31.fresh("decode")
     FuseIndexerPass()(m)
-    p = FuseIndexerPass()
-    p(m)
-    assert p.counts["matches"] == 0
+    r = FuseIndexerPass()(m)
+    assert r.counts["matches"] == 0
 
 
 def _first(m, op, pred=lambda n: True):
@@ -100,7 +98,6 @@ def _break_axis(m):
 def test_negative_each_refusal(k31, breaker, reason):
     m = k31.fresh("prefill")
     breaker(m)
-    p = FuseIndexerPass()
-    p(m)
-    assert p.counts.get(f"refused.{reason}", 0) >= 1, p.counts
-    assert p.counts["matches"] < len(k31.cfg.indexed_layer_ids)  # layers sharing the broken node stay unfused
+    r = FuseIndexerPass()(m)
+    assert r.counts.get(f"refused.{reason}", 0) >= 1, r.counts
+    assert r.counts["matches"] < len(k31.cfg.indexed_layer_ids)  # layers sharing the broken node stay unfused

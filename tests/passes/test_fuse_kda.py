@@ -18,14 +18,13 @@ def _recurrences(m):
 def test_positive_one_node_per_kda_layer(k31, phase):
     m = k31.fresh(phase)
     before = histogram(m)
-    p = FuseKDAPass()
-    p(m)
+    r = FuseKDAPass()(m)
     verify_model(m, "test")
     after = histogram(m)
     layers = k31.cfg.kda_layer_ids
     n = len(layers)
-    assert p.counts["matches"] == n == after["kimi.KDA"] == before["kimi.KDARecurrence"]
-    assert not any(k.startswith("refused.") for k in p.counts)
+    assert r.counts["matches"] == n == after["kimi.KDA"] == before["kimi.KDARecurrence"]
+    assert not any(k.startswith("refused.") for k in r.counts)
     # everything the layers owned is gone: recurrences, convs, conv-state splits, the q/k L2 norms
     assert after["kimi.KDARecurrence"] == after["Conv"] == after["Split"] == 0
     assert before["Pow"] - after["Pow"] == 2 * n and before["Sqrt"] - after["Sqrt"] == 2 * n
@@ -60,9 +59,8 @@ def test_numerics_before_and_after(k31, phase):
 def test_idempotent(k31):
     m = k31.fresh("prefill")
     FuseKDAPass()(m)
-    p = FuseKDAPass()
-    p(m)
-    assert p.counts["matches"] == 0
+    r = FuseKDAPass()(m)
+    assert r.counts["matches"] == 0
 
 
 def test_op_body_matches_reference():
@@ -162,11 +160,10 @@ def test_refuses(k31, reason):
     m = k31.fresh("prefill")
     n = len(_recurrences(m))
     MUTATIONS[reason](m)
-    p = FuseKDAPass()
-    p(m)
-    refused = {k: v for k, v in p.counts.items() if k.startswith("refused.")}
-    assert set(refused) == {f"refused.{reason}"}, p.near_misses
-    assert refused[f"refused.{reason}"] >= 1 and p.counts["matches"] + refused[f"refused.{reason}"] == n
+    r = FuseKDAPass()(m)
+    refused = {k: v for k, v in r.counts.items() if k.startswith("refused.")}
+    assert set(refused) == {f"refused.{reason}"}, r.near_misses
+    assert refused[f"refused.{reason}"] >= 1 and r.counts["matches"] + refused[f"refused.{reason}"] == n
     verify_model(m, "test")
     assert k31.err(m, "prefill") < 1e-5  # the refused layer still runs its plain form
 

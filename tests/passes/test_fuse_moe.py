@@ -24,15 +24,14 @@ def _router_topk(m):
 def test_positive_one_node_per_moe_layer(k31, phase):
     m = k31.fresh(phase)
     before = histogram(m)
-    p = FuseMoEPass()
-    p(m)
+    r = FuseMoEPass()(m)
     verify_model(m, "test")
     after = histogram(m)
     cfg = k31.cfg
     n, n_idx = len(_moe_layers(cfg)), len(cfg.indexed_layer_ids)
-    assert p.counts["matches"] == n == after["kimi.MoE"]
+    assert r.counts["matches"] == n == after["kimi.MoE"]
     # the indexer's TopKs are near misses with a reason; they are all that is left of TopK
-    assert {k: v for k, v in p.counts.items() if k.startswith("refused.")} == {"refused.router_not_sigmoid": n_idx}
+    assert {k: v for k, v in r.counts.items() if k.startswith("refused.")} == {"refused.router_not_sigmoid": n_idx}
     assert after["TopK"] == before["TopK"] - n == n_idx and not _router_topk(m)
     assert after["GatherND"] == 0 and before["GatherND"] == 3 * n
     assert before["Einsum"] - after["Einsum"] == 3 * n and before["Gemm"] - after["Gemm"] == 5 * n
@@ -71,9 +70,8 @@ def test_variant_without_renormalisation_with_scaling(k31):
         ir.convenience.replace_all_uses_with(div.outputs[0], mul.outputs[0])
     ir.passes.common.RemoveUnusedNodesPass()(m)
     before = k31.run(m, "prefill")
-    p = FuseMoEPass()
-    p(m)
-    assert p.counts["matches"] == len(_moe_layers(k31.cfg))
+    r = FuseMoEPass()(m)
+    assert r.counts["matches"] == len(_moe_layers(k31.cfg))
     for node in (x for x in m.graph if x.op_type == "MoE"):
         assert node.attributes["renormalize"].value == 0 and node.attributes["scaling"].value == 2.5
     assert max_rel(k31.run(m, "prefill"), before) < 1e-5
@@ -82,9 +80,8 @@ def test_variant_without_renormalisation_with_scaling(k31):
 def test_idempotent(k31):
     m = k31.fresh("decode")
     FuseMoEPass()(m)
-    p = FuseMoEPass()
-    p(m)
-    assert p.counts["matches"] == 0
+    r = FuseMoEPass()(m)
+    assert r.counts["matches"] == 0
 
 
 @pytest.mark.parametrize("lbeta, renorm, k", [(25.0, 1, 2), (0.0, 0, 3)])
@@ -181,14 +178,13 @@ def test_refuses(k31, reason):
     m = k31.fresh("prefill")
     n = len(_router_topk(m))
     MUTATIONS[reason](m)
-    p = FuseMoEPass()
-    p(m)
-    refused = {k: v for k, v in p.counts.items() if k.startswith("refused.")}
+    r = FuseMoEPass()(m)
+    refused = {k: v for k, v in r.counts.items() if k.startswith("refused.")}
     n_idx = len(k31.cfg.indexed_layer_ids)  # the indexer's TopKs are refused as router_not_sigmoid anyway
     expected = {"refused.router_not_sigmoid": n_idx}
     expected[f"refused.{reason}"] = expected.get(f"refused.{reason}", 0) + 1
-    assert refused == expected, p.near_misses
-    assert p.counts["matches"] == n - 1
+    assert refused == expected, r.near_misses
+    assert r.counts["matches"] == n - 1
     verify_model(m, "test")
     assert k31.err(m, "prefill") < 1e-5  # the refused layer still runs its plain form
 

@@ -14,12 +14,11 @@ def test_positive_and_numerics(k31, phase):
     FuseIndexerPass()(m)
     before = k31.run(m, phase)
     h0 = histogram(m)
-    p = FuseSparseMLAPass()
-    p(m)
+    r = FuseSparseMLAPass()(m)
     verify_model(m, "test")
     h = histogram(m)
     n = len(k31.cfg.indexed_layer_ids)
-    assert p.counts["matches"] == n == h["kimi.SparseMLA"]
+    assert r.counts["matches"] == n == h["kimi.SparseMLA"]
     assert h["kimi.PagedGather"] == 0  # both the latent and index-K pools are read inside the fused ops
     assert h["Softmax"] == h0["Softmax"] - n
     assert max_rel(k31.run(m, phase), before) < 1e-5
@@ -28,9 +27,8 @@ def test_positive_and_numerics(k31, phase):
 
 def test_refuses_without_the_indexer_fusion(k31):
     m = k31.fresh("decode")
-    p = FuseSparseMLAPass()
-    p(m)
-    assert p.counts["matches"] == 0 and p.counts.get("refused.not_indexed", 0) == len(k31.cfg.indexed_layer_ids)
+    r = FuseSparseMLAPass()(m)
+    assert r.counts["matches"] == 0 and r.counts.get("refused.not_indexed", 0) == len(k31.cfg.indexed_layer_ids)
 
 
 def test_refuses_non_constant_weights(k31):
@@ -42,9 +40,8 @@ def test_refuses_non_constant_weights(k31):
     ident = ir.node("Identity", [ein.inputs[1]])
     m.graph.insert_before(ein, ident)
     ein.replace_input_with(1, ident.outputs[0])
-    p = FuseSparseMLAPass()
-    p(m)
-    assert p.counts.get("refused.weights_not_constant") == 1 and p.counts["matches"] == 1
+    r = FuseSparseMLAPass()(m)
+    assert r.counts.get("refused.weights_not_constant") == 1 and r.counts["matches"] == 1
 
 
 def test_refuses_a_softmax_without_scale(k31):
@@ -54,6 +51,5 @@ def test_refuses_a_softmax_without_scale(k31):
     where = sm.inputs[0].producer()
     mul = where.inputs[2].producer()
     mul.op_type = "Add"
-    p = FuseSparseMLAPass()
-    p(m)
-    assert p.counts.get("refused.no_scale") == 1
+    r = FuseSparseMLAPass()(m)
+    assert r.counts.get("refused.no_scale") == 1

@@ -49,17 +49,16 @@ def projections(*, gemm_attrs=None, w1=W1, w1_input=False, small=False) -> ir.Mo
 
 
 def _relayout(m, **options):
-    p = RelayoutNZPass(RelayoutNZPass.Options(**{"min_elements": 1024, **options}))
-    p(m)
+    r = RelayoutNZPass(RelayoutNZPass.Options(**{"min_elements": 1024, **options}))(m)
     verify_model(m, "after relayout_nz")
-    return p
+    return r
 
 
 def test_positive_exact_ops_and_nz_initializers():
     m = projections()
-    p = _relayout(m)
+    r = _relayout(m)
     assert [n.op_type for n in m.graph] == ["MatMulNZ", "MatMulNZ", "Add", "Cast", "MatMulNZ"]
-    assert p.counts == {"matches": 3, "weights_relaid": 3, "padding_bytes": 2 * 8 * 64 * 4 + 14 * 64 * 2}
+    assert r.counts == {"matches": 3, "weights_relaid": 3, "padding_bytes": 2 * 8 * 64 * 4 + 14 * 64 * 2}
     inits = {k: (v.dtype.name, tuple(v.shape)) for k, v in m.graph.initializers.items()}
     assert inits == {"W1.nz": ("FLOAT", (3, 64, 16)), "W2.nz.t": ("FLOAT", (2, 64, 16)), "bias": ("FLOAT", (24,)),
                      "W3.nz": ("BFLOAT16", (4, 64, 16))}
@@ -85,8 +84,8 @@ def test_block_option():
 ])
 def test_negative_each_refusal(reason, kw, opts):
     m = projections(**kw)
-    p = _relayout(m, **opts)
-    assert p.counts.get(f"refused.{reason}", 0) >= 1, p.counts
+    r = _relayout(m, **opts)
+    assert r.counts.get(f"refused.{reason}", 0) >= 1, r.counts
 
 
 def test_negative_integer_weight_is_refused():
@@ -95,8 +94,8 @@ def test_negative_integer_weight_is_refused():
     g = h.make_graph([h.make_node("MatMul", ["x", "W"], ["y"])], "g", [x],
                      [h.make_tensor_value_info("y", T.INT32, [3, 40])], [w])
     m = ir.serde.deserialize_model(h.make_model(g, opset_imports=[h.make_opsetid("", 23)]))
-    p = _relayout(m)
-    assert p.counts == {"matches": 0, "weights_relaid": 0, "padding_bytes": 0, "refused.dtype": 1}
+    r = _relayout(m)
+    assert r.counts == {"matches": 0, "weights_relaid": 0, "padding_bytes": 0, "refused.dtype": 1}
 
 
 def test_numerical_ort_before_vs_after():
