@@ -51,6 +51,7 @@ class OpDef:
     version: int = 1
     domain: str = DOMAIN
     doc: str = ""
+    float32_ports: frozenset[str] = frozenset()  # inputs/outputs that stay float32 in a bf16/fp16 graph (states)
 
     @property
     def qualified(self) -> str:
@@ -113,3 +114,35 @@ def lookup(name: str, domain: str = DOMAIN, *, node: str | None = None) -> OpDef
 def registered() -> list[OpDef]:
     ensure_loaded()
     return sorted(_REGISTRY.values(), key=lambda o: o.qualified)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One backend implementation of a `kimi.*` op, named in the op folder's backend table (`plugins/<op>/cuda.py`:
+    `CUDA = {"OpName": Kernel(...)}`), the same pattern as the TensorRT tables.
+
+    run(inputs, attrs) -> tuple of outputs: torch tensors in the op's input order (None for an absent optional
+        input), attributes by name; outputs in the op's output order.
+    supports(inputs, attrs) -> None when the kernel applies to these shapes/dtypes/attributes, else the reason (the
+        backend then runs the op's reference and lists the node with that reason in its GPU coverage report).
+    devices: where `run` works ("cuda" for Triton kernels; torch-composed kernels run on "cpu" too).
+    inplace: {output index: input index} pairs the kernel writes in place (a cache updated where it lives).
+    fallback: the op's one other kernel, used where this one does not apply (before the reference).
+    """
+
+    run: Callable[..., Any]
+    supports: Callable[..., str | None] | None = None
+    devices: tuple[str, ...] = ("cuda",)
+    inplace: dict = dataclasses.field(default_factory=dict)
+    name: str = ""
+    fallback: Kernel | None = None
+
+
+def kernels(table: str) -> dict[str, Kernel]:
+    """Every op folder's `<table>` dict (e.g. "CUDA" from plugins/<op>/cuda.py), merged: {op name: Kernel}."""
+    out: dict[str, Kernel] = {}
+    for mod in plugin_modules(table.lower()):
+        for name, k in getattr(mod, table, {}).items():
+            lookup(name)  # a table may only name registered ops
+            out[name] = k
+    return out

@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 PRESETS = ("kimi-k3-tiny", "kimi-k3.1-tiny", "kimi-k3.1-small", "kimi-k3.1-pro")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16")  # bfloat16: the cuda backend, through the convert_dtype pass
 ROLES = (
     "indexer_q",
     "indexer_k",
@@ -77,7 +77,7 @@ ROLES = (
     "projection_activation",
 )
 FORMATS = ("fp32", "bf16", "fp16", "mxfp8", "fp8_tile")
-BACKENDS = ("onnxruntime", "cuda", "tensorrt")
+BACKENDS = ("onnxruntime", "cuda", "tensorrt")  # kimi_compile.backends maps each to its module
 
 # indexer_qk is shorthand for both indexer_q and indexer_k; a recipe may not give two rules for one tensor.
 _ROLE_COVERS = {"indexer_qk": ("indexer_q", "indexer_k")}
@@ -306,7 +306,7 @@ class ModelSpec:
     preset: Literal["kimi-k3-tiny", "kimi-k3.1-tiny", "kimi-k3.1-small", "kimi-k3.1-pro"] | None = None
     checkpoint: str | None = dataclasses.field(default=None, metadata={"nonempty": True})
     seed: int = dataclasses.field(default=0, metadata={"min": 0})
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal[DTYPES] = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +386,7 @@ class ParallelSpec:
 class BackendSpec:
     """`options` is free here; the backend validates it with `coerce_options`."""
 
-    name: Literal["onnxruntime", "cuda", "tensorrt"] = "onnxruntime"
+    name: Literal[BACKENDS] = "onnxruntime"
     options: dict = dataclasses.field(default_factory=dict)
 
 
@@ -512,6 +512,17 @@ def _check_combinations(r: Recipe, source: str) -> None:
             source, "export.prefill_chunk",
             f"prefill_chunk {e.prefill_chunk} exceeds export.max_seq_len {e.max_seq_len}",
         )
+    if m.dtype != "float32":
+        if r.backend.name != "cuda":
+            raise RecipeError(source, "model.dtype", f"{m.dtype} graphs run on backend cuda only (onnxruntime and "
+                                                     f"tensorrt build float32), got backend {r.backend.name!r}")
+        if not any(ps.name == "convert_dtype" and ps.enabled for ps in r.passes):
+            raise RecipeError(source, "model.dtype", f"{m.dtype} needs the convert_dtype pass in passes (it "
+                                                     "converts the graph after the fusions)")
+    for key in ("tp", "cp"):
+        if getattr(p, key) != 1:
+            raise RecipeError(source, f"parallel.{key}", f"{key}={getattr(p, key)} needs the partition passes, which "
+                                                           "this version does not have; the only value built is 1")
     if p.sequence_parallel and p.tp < 2:
         raise RecipeError(
             source, "parallel.sequence_parallel", f"sequence_parallel requires parallel.tp > 1, got tp={p.tp}"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import importlib
 
-BACKENDS = {"onnxruntime": "kimi_compile.backends.onnxruntime", "tensorrt": "kimi_compile.backends.tensorrt"}
+BACKENDS = {"onnxruntime": "kimi_compile.backends.onnxruntime", "cuda": "kimi_compile.backends.cuda",
+            "tensorrt": "kimi_compile.backends.tensorrt"}
 
 
 class BackendError(RuntimeError):

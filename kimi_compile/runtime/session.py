@@ -3,13 +3,13 @@ batches, greedy or seeded sampling."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from kimi_compile.artifact import ArtifactError, load_manifest
+from kimi_compile.paged import BlockAllocator, CacheCapacityError
 
 
 class RuntimeInputError(ValueError):
@@ -17,58 +17,75 @@ class RuntimeInputError(ValueError):
 
 
 class CacheState:
-    """Cache tensors of one batch, laid out as the graphs' cache inputs (`manifest["runtime"]["caches"]`)."""
+    """Cache tensors of one batch, laid out as the graphs' cache inputs (`manifest["runtime"]["caches"]`), with the
+    shared paged block allocator (kimi_compile.paged) for block tables and lengths."""
 
     def __init__(self, caches: list[dict], batch_size: int, max_seq_len: int, block_size: int,
-                 num_blocks: int | None = None):
-        self.batch_size, self.block_size = batch_size, block_size
-        self.max_blocks = max(1, math.ceil(max_seq_len / block_size))
-        self.num_blocks = num_blocks or batch_size * self.max_blocks + 1
-        self.block_table = np.zeros((batch_size, self.max_blocks), dtype=np.int64)
-        self.blocks_used = [0] * batch_size
-        self.free = list(range(self.num_blocks - 1, 0, -1))
-        self.seq_lens = np.zeros(batch_size, dtype=np.int64)
+                 num_blocks: int | None = None, *, rows: int | None = None, zeros=None):
+        """`rows` >= batch_size: the batch the graphs see (an executor's batch bucket; extra rows are padding that
+        holds no tokens); `zeros(shape, dtype)` allocates the tensors where the executor wants them (default numpy)."""
+        rows = rows or batch_size
+        self.blocks = BlockAllocator(rows, max_seq_len, block_size, num_blocks)
+        self.batch_size, self.rows, self.block_size = batch_size, rows, block_size
         self.names = [c["name"] for c in caches]
-        self.tensors: dict[str, np.ndarray] = {}
+        self.tensors: dict = {}
         for c in caches:
-            shape = [batch_size if d == "batch" else self.num_blocks if d == "num_blocks" else d for d in c["shape"]]
-            self.tensors[c["name"]] = np.zeros(shape, dtype=np.dtype(c["dtype"]))
+            shape = [rows if d == "batch" else self.blocks.num_blocks if d == "num_blocks" else d for d in c["shape"]]
+            self.tensors[c["name"]] = zeros(shape, c["dtype"]) if zeros else np.zeros(shape, dtype=np.dtype(c["dtype"]))
+
+    @property
+    def block_table(self) -> np.ndarray:
+        return self.blocks.block_table
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.blocks.seq_lens
+
+    @seq_lens.setter
+    def seq_lens(self, value: np.ndarray) -> None:
+        self.blocks.seq_lens = np.asarray(value, dtype=np.int64)
 
     def reserve(self, new_lens: np.ndarray) -> None:
-        for b, n in enumerate(new_lens.tolist()):
-            need = math.ceil(n / self.block_size)
-            if need > self.max_blocks:
-                raise RuntimeInputError(f"sequence {b}: {n} tokens exceed max_seq_len "
-                                        f"({self.max_blocks * self.block_size}) of this cache")
-            while self.blocks_used[b] < need:
-                if not self.free:
-                    raise RuntimeInputError("out of cache blocks: create the cache with a larger num_blocks")
-                self.block_table[b, self.blocks_used[b]] = self.free.pop()
-                self.blocks_used[b] += 1
+        try:
+            self.blocks.reserve(new_lens)
+        except CacheCapacityError as e:
+            raise RuntimeInputError(str(e)) from None
 
     @property
     def bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return sum(int(np.prod(t.shape)) * t.itemsize if hasattr(t, "itemsize") else t.nbytes
+                   for t in self.tensors.values())
 
 
 class Session:
-    def __init__(self, artifact_dir: str | Path, threads: int | None = None):
-        from kimi_compile import backends
+    """Generation over one executor (`run(phase, feeds) -> outputs`) whose graphs follow the runtime contract in
+    `runtime` (block_size, vocab_size, eos_token_id, max_seq_len, caches); `load(artifact_dir)` builds one from an
+    artifact, other callers (the accuracy report) from in-memory graphs."""
 
-        self.dir = Path(artifact_dir)
-        self.manifest = load_manifest(self.dir)
-        rt = self.manifest.get("runtime")
-        if not isinstance(rt, dict):
-            raise ArtifactError(self.dir, "manifest has no 'runtime' section", "manifest.json")
-        self.runtime = rt
-        self.block_size = int(rt["block_size"])
-        self.vocab_size = int(rt["vocab_size"])
-        self.eos_token_id = rt.get("eos_token_id")
-        self.backend = backends.get(self.manifest["backend"]["name"]).load(self.dir, self.manifest, threads=threads)
+    def __init__(self, executor, runtime: dict, *, manifest: dict | None = None):
+        self.backend = executor
+        self.runtime = runtime
+        self.manifest = manifest or {}
+        self.block_size = int(runtime["block_size"])
+        self.vocab_size = int(runtime["vocab_size"])
+        self.eos_token_id = runtime.get("eos_token_id")
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.runtime["max_seq_len"])
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> CacheState:
-        return CacheState(self.runtime["caches"], batch_size, max_seq_len or int(self.runtime["max_seq_len"]),
-                          self.block_size)
+        """A cache for `batch_size` sequences of up to `max_seq_len` tokens (default and limit: the artifact's
+        export.max_seq_len). Executors with static shapes (graph capture) get the full capacity and their batch
+        bucket, so one captured graph serves every request of that bucket."""
+        limit = self.max_seq_len
+        if max_seq_len is not None and max_seq_len > limit:
+            raise RuntimeInputError(f"max_seq_len: {max_seq_len} tokens exceed this artifact's export.max_seq_len "
+                                    f"({limit}); rebuild with a larger export.max_seq_len")
+        static = getattr(self.backend, "static_shapes", False)
+        rows = self.backend.batch_bucket(batch_size) if hasattr(self.backend, "batch_bucket") else batch_size
+        return CacheState(self.runtime["caches"], batch_size, limit if static or max_seq_len is None else max_seq_len,
+                          self.block_size, rows=rows, zeros=getattr(self.backend, "zeros", None))
 
     def _check_ids(self, rows: Sequence[Sequence[int]]) -> None:
         for b, r in enumerate(rows):
@@ -76,7 +93,12 @@ class Session:
                 if not (isinstance(t, (int, np.integer)) and 0 <= int(t) < self.vocab_size):
                     raise RuntimeInputError(f"prompt {b}: token id {t!r} is not in 0..{self.vocab_size - 1}")
 
-    def _run(self, phase: str, ids: np.ndarray, lens: np.ndarray, cache: CacheState) -> np.ndarray:
+    def _run(self, phase: str, ids: np.ndarray, lens: np.ndarray, cache: CacheState):
+        """One graph step over the cache's rows (padding rows: no tokens); logits of the real rows."""
+        B = ids.shape[0]
+        if cache.rows > B:
+            ids = np.concatenate([ids, np.zeros((cache.rows - B, ids.shape[1]), np.int64)])
+            lens = np.concatenate([lens, np.zeros(cache.rows - B, np.int64)])
         cache.reserve(cache.seq_lens + lens)
         feeds = {"input_ids": ids.astype(np.int64), "start": cache.seq_lens.copy(), "lengths": lens.astype(np.int64),
                  "block_table": cache.block_table, **cache.tensors}
@@ -84,39 +106,76 @@ class Session:
         for name in cache.names:
             cache.tensors[name] = out[name + ".out"]
         cache.seq_lens = cache.seq_lens + lens
-        return out["logits"]
+        return out["logits"][:B]
 
-    def prefill(self, prompts: Sequence[Sequence[int]], cache: CacheState) -> np.ndarray:
-        """Append B prompts (any lengths >= 1) to the cache; returns all logits [B, T, vocab] (rows past a prompt's
-        length are padding)."""
+    def _host(self, x) -> np.ndarray:
+        return self.backend.host(x) if hasattr(self.backend, "host") else np.asarray(x)
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], cache: CacheState) -> None:
         if len(prompts) != cache.batch_size:
             raise RuntimeInputError(f"prompts: {len(prompts)} given, cache holds {cache.batch_size} sequences")
         if any(len(p) == 0 for p in prompts):
             raise RuntimeInputError("prompts: every prompt needs at least one token")
         self._check_ids(prompts)
-        T = max(len(p) for p in prompts)
-        ids = np.zeros((len(prompts), max(T, 2)), dtype=np.int64)  # the prefill graph takes T >= 2
+
+    def _prefill_rows(self, prompts: Sequence[Sequence[int]], offset: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [offset, offset + T) of every prompt as one padded step (T >= 2: the prefill graph's minimum)."""
+        ids = np.zeros((len(prompts), max(T, 2)), dtype=np.int64)
+        lens = np.zeros(len(prompts), dtype=np.int64)
         for b, p in enumerate(prompts):
-            ids[b, : len(p)] = p
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        return self._run("prefill", ids, lens, cache)[:, :T]
+            part = p[offset:offset + T]
+            ids[b, : len(part)] = part
+            lens[b] = len(part)
+        return ids, lens
+
+    def prefill(self, prompts: Sequence[Sequence[int]], cache: CacheState) -> np.ndarray:
+        """Append B prompts (any lengths >= 1) to the cache in one step; returns all logits [B, T, vocab] (rows past
+        a prompt's length are padding)."""
+        self._check_prompts(prompts, cache)
+        T = max(len(p) for p in prompts)
+        ids, lens = self._prefill_rows(prompts, 0, T)
+        return self._host(self._run("prefill", ids, lens, cache)[:, :T])
+
+    def prefill_last(self, prompts: Sequence[Sequence[int]], cache: CacheState):
+        """Append B prompts in chunks of the artifact's export.prefill_chunk tokens; returns the logits of each
+        prompt's last token [B, vocab] (where the executor keeps them: on the device for cuda)."""
+        self._check_prompts(prompts, cache)
+        chunk = int(self.runtime.get("prefill_chunk") or max(len(p) for p in prompts))
+        T = max(len(p) for p in prompts)
+        last: list = [None] * len(prompts)
+        for off in range(0, T, chunk):
+            ids, lens = self._prefill_rows(prompts, off, min(chunk, T - off))
+            logits = self._run("prefill", ids, lens, cache)
+            for b, p in enumerate(prompts):
+                if off < len(p) <= off + chunk:
+                    last[b] = logits[b, len(p) - 1 - off]
+        return self.backend.stack(last) if hasattr(self.backend, "stack") else np.stack(last)
 
     def decode(self, tokens: Sequence[int], cache: CacheState) -> np.ndarray:
         """One token per sequence -> logits [B, vocab]."""
+        return self._host(self._decode(tokens, cache))
+
+    def _decode(self, tokens: Sequence[int], cache: CacheState):
         self._check_ids([tokens])
         ids = np.asarray(tokens, dtype=np.int64).reshape(-1, 1)
         return self._run("decode", ids, np.ones(ids.shape[0], dtype=np.int64), cache)[:, 0]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True) -> list[list[int]]:
-        """Greedy (temperature 0) or seeded sampling for a batch of prompts of different lengths."""
+        """Greedy (temperature 0) or seeded sampling for a batch of prompts of different lengths. A request longer
+        than the artifact's export.max_seq_len (prompt + new tokens) is refused with the numbers."""
         if max_new_tokens < 0:
             raise RuntimeInputError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
         prompts = [list(p) for p in prompts]
-        cache = self.new_cache(len(prompts), max(len(p) for p in prompts) + max_new_tokens)
+        if not prompts:
+            raise RuntimeInputError("prompts: expected at least one prompt")
+        need = max(len(p) for p in prompts) + max_new_tokens
+        if need > self.max_seq_len:
+            raise RuntimeInputError(f"prompt + max_new_tokens = {need} tokens exceed this artifact's "
+                                    f"export.max_seq_len ({self.max_seq_len})")
+        cache = self.new_cache(len(prompts), need)
         rng = np.random.default_rng(seed)
-        logits = self.prefill(prompts, cache)
-        last = np.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])
+        last = self.prefill_last(prompts, cache)
         out: list[list[int]] = [[] for _ in prompts]
         done = np.zeros(len(prompts), dtype=bool)
         for step in range(max_new_tokens):
@@ -128,21 +187,33 @@ class Session:
                         done[b] = True
             if done.all() or step == max_new_tokens - 1:
                 break
-            last = self.decode(nxt.tolist(), cache)
+            last = self._decode(nxt.tolist(), cache)
         return out
 
-    @staticmethod
-    def _pick(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
-        if temperature <= 0:
-            return logits.argmax(-1)
-        z = logits.astype(np.float64) / temperature
-        if top_k:
-            kth = np.sort(z, axis=-1)[:, -top_k][:, None]
-            z = np.where(z < kth, -np.inf, z)
-        p = np.exp(z - z.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        return np.array([rng.choice(p.shape[-1], p=row) for row in p])
+    def _pick(self, logits, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
+        if temperature <= 0:  # argmax where the logits are (no [B, vocab] copy to the host)
+            return np.asarray(self._host(logits.argmax(-1))).astype(np.int64)
+        return _sample(self._host(logits), temperature, top_k, rng)
 
 
-def load(artifact_dir: str | Path, **kwargs) -> Session:
-    return Session(artifact_dir, **kwargs)
+def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.random.Generator) -> np.ndarray:
+    z = logits.astype(np.float64) / temperature
+    if top_k:
+        kth = np.sort(z, axis=-1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.array([rng.choice(p.shape[-1], p=row) for row in p])
+
+
+def load(artifact_dir: str | Path, threads: int | None = None) -> Session:
+    """Open an artifact: check its manifest and every file's hash, then start the executor its backend names."""
+    from kimi_compile import backends
+
+    root = Path(artifact_dir)
+    manifest = load_manifest(root)
+    rt = manifest.get("runtime")
+    if not isinstance(rt, dict):
+        raise ArtifactError(root, "manifest has no 'runtime' section", "manifest.json")
+    executor = backends.get(manifest["backend"]["name"]).load(root, manifest, threads=threads)
+    return Session(executor, rt, manifest=manifest)

@@ -114,7 +114,8 @@ def _infer2(types, attrs):
 
 
 STAGE1 = register(OpDef("AttnResStage1", ("bank", "queries"), ("o1", "m1", "l1"), {"eps": 1e-5},
-                        function=stage1_function, infer=_infer1, reference=stage1_reference, doc=__doc__))
+                        function=stage1_function, infer=_infer1, reference=stage1_reference, doc=__doc__,
+                        float32_ports=frozenset({"m1", "l1"})))
 MERGE = register(OpDef("AttnResMerge", ("o1", "m1", "l1", "partial", "query", "norm_weight"), ("out",),
                        {"slot": 0, "eps": 1e-5, "norm_eps": 1e-5}, function=merge_function, infer=_infer2,
-                       reference=merge_reference, doc=__doc__))
+                       reference=merge_reference, doc=__doc__, float32_ports=frozenset({"m1", "l1"})))

@@ -15,14 +15,15 @@ Score    I[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . K[b,s]),  K = the pool rows
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import AttributeProto, TensorProto, helper
 
 from kimi_compile.onnx_body import attr_const, const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 
+from . import reference
+from .reference import MASKED
+
 NAME = "IndexerTopK"
-MASKED = -1e30
 
 
 _c = const
@@ -140,33 +141,6 @@ def function(k_format: str = "float", elem: str = "e4m3"):
                                 attributes=["topk", "k_format", "block", "elem"], overload=overload_name(k_format, elem))
 
 
-def reference(q, w, index_pool, block_table, start, lengths, topk: int = 2048, *, index_scale_pool=None,
-              k_format: str = "float", block: int = 32, elem: str = "e4m3"):
-    """numpy reference: loops written from the definition (ties to the lower position)."""
-    B, T, H, D = q.shape
-    BS = index_pool.shape[1]
-    S = block_table.shape[1] * BS
-    pool = index_pool
-    if k_format == "mxfp8":
-        from kimi_compile.plugins.quant.reference import mx_dequantize
-
-        pool = mx_dequantize(index_pool, index_scale_pool, block=block, elem=elem)
-    keys = pool[block_table.reshape(-1)].reshape(B, S, D)
-    indices = np.full((B, T, topk), -1, dtype=np.int64)
-    scores = np.full((B, T, topk), MASKED, dtype=np.float32)
-    for b in range(B):
-        for t in range(T):
-            hi = min(int(start[b]) + t + 1, int(start[b] + lengths[b]))
-            if hi <= 0:
-                continue
-            dots = np.maximum(q[b, t].astype(np.float64) @ keys[b, :hi].T.astype(np.float64), 0)  # [H, hi]
-            s = (w[b, t].astype(np.float64)[:, None] * dots).sum(0)
-            order = sorted(range(hi), key=lambda j: (-s[j], j))[:topk]
-            indices[b, t, : len(order)] = order
-            scores[b, t, : len(order)] = s[order]
-    return indices, scores
-
-
 def infer(types, attrs):
     q = types[0]
     k = attrs.get("topk")
@@ -176,4 +150,5 @@ def infer(types, attrs):
 
 OP = register(OpDef(NAME, ("q", "w", "index_pool", "block_table", "start", "lengths", "index_scale_pool"),
                     ("indices", "scores"), {"topk": 2048, "k_format": "float", "block": 32, "elem": "e4m3"},
-                    function=function, infer=infer, reference=reference, doc=__doc__))
+                    function=function, infer=infer, reference=reference.indexer_topk, doc=__doc__,
+                    float32_ports=frozenset({"scores"})))

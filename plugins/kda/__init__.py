@@ -21,12 +21,13 @@ Math     u = x @ w_{q,k,v};  c = [conv_state ‖ u] (along T);  y[t] = silu(sum_
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import AttributeProto, TensorProto, helper
 
 from kimi_compile.onnx_body import attr_const, const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 from kimi_compile.plugins.kda_recurrence import _step_body
+
+from . import reference
 
 NAME = "KDA"
 INPUTS = ("x", "conv_state", "state", "lengths", "w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_f_a", "w_f_b",
@@ -130,41 +131,5 @@ def infer(types, attrs):
             TensorType(state.shape if state else None, TensorProto.FLOAT)]
 
 
-def reference(x, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log,
-              dt_bias, o_norm, w_o, lower_bound=-5.0, scale=1.0, l2_eps=1e-6, eps=1e-5, chunk_size=0):
-    """numpy reference in fp64 (the recurrence step by step; chunk_size does not change the math)."""
-    f64 = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
-    x, conv_state, S = f64(x), f64(conv_state), f64(state).copy()
-    B, T, _ = x.shape
-    H, D = np.size(A_log), np.size(o_norm)
-    P, W = H * D, np.shape(conv_q)[-1]
-    u = np.concatenate([x @ f64(w_q), x @ f64(w_k), x @ f64(w_v)], axis=-1)
-    cat = np.concatenate([conv_state, u], axis=1)  # [B, W-1+T, 3P]
-    cw = np.concatenate([f64(conv_q), f64(conv_k), f64(conv_v)], axis=0)[:, 0, :]  # [3P, W]
-    y = sum(cat[:, j:j + T] * cw[:, j] for j in range(W))
-    y = y / (1.0 + np.exp(-y))
-    y = y.reshape(B, T, 3, H, D)
-    q, k, v = y[:, :, 0], y[:, :, 1], y[:, :, 2]
-    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + l2_eps) * scale
-    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + l2_eps)
-    f = (x @ f64(w_f_a) @ f64(w_f_b)).reshape(B, T, H, D) + f64(dt_bias).reshape(H, D)
-    g = lower_bound / (1.0 + np.exp(-np.exp(f64(A_log)).reshape(H, 1) * f))
-    beta = 1.0 / (1.0 + np.exp(-(x @ f64(w_b))))
-    valid = (np.arange(T)[None, :] < np.asarray(lengths)[:, None]).astype(np.float64)
-    g, beta = g * valid[:, :, None, None], beta * valid[:, :, None]
-    o = np.zeros((B, T, H, D))
-    for t in range(T):
-        S = S * np.exp(g[:, t])[..., None]
-        kv = np.einsum("bhkv,bhk->bhv", S, k[:, t])
-        S = S + k[:, t][..., None] * ((v[:, t] - kv) * beta[:, t][..., None])[:, :, None, :]
-        o[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
-    on = o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * f64(o_norm)
-    gate = 1.0 / (1.0 + np.exp(-(x @ f64(w_g)).reshape(B, T, H, D)))
-    out = (on * gate).reshape(B, T, P) @ f64(w_o)
-    rows = np.asarray(lengths)[:, None] + np.arange(W - 1)[None, :]
-    new_conv = np.take_along_axis(cat, rows[:, :, None], axis=1)
-    return out.astype(np.float32), new_conv.astype(np.float32), S.astype(np.float32)
-
-
-OP = register(OpDef(NAME, INPUTS, OUTPUTS, dict(ATTRS), function=function, infer=infer, reference=reference,
-                    doc=__doc__))
+OP = register(OpDef(NAME, INPUTS, OUTPUTS, dict(ATTRS), function=function, infer=infer, reference=reference.kda,
+                    doc=__doc__, float32_ports=frozenset({"state", "new_state"})))

@@ -69,4 +69,5 @@ def reference(q, k, v, g, beta, state, chunk_size=0):
 
 
 OP = register(OpDef(NAME, ("q", "k", "v", "g", "beta", "state"), ("o", "final_state"), {"chunk_size": 0},
-                    function=function, infer=infer, reference=reference, doc=__doc__))
+                    function=function, infer=infer, reference=reference, doc=__doc__,
+                    float32_ports=frozenset({"state", "final_state"})))

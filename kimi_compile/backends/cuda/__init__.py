@@ -1,0 +1,130 @@
+"""The cuda backend: the optimized graphs run as a static program of torch calls and our kernels (program.py), with
+a static memory plan (memory.py), caches on the device updated in place, and decode steps replayed as CUDA graphs
+per batch-size bucket (graphs.py).
+
+build: the same ONNX files as the onnxruntime backend (backends/serialize.py) plus, per phase, the GPU op coverage
+(which kimi.* nodes run a kernel and which fall back to their reference, with the reason). load: an `Executor` on
+`device` (default cuda when torch sees a GPU, else cpu: the same executor on CPU tensors, kimi.* ops through their
+references or torch-composed kernels, so CI tests the lowering, the plan and the numerics without a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kimi_compile.backends.serialize import write_graphs
+
+NAME = "cuda"
+BUILD_VERSION = 1  # bump when the files build() writes change (part of the cache key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Recipe `backend.options` of the cuda backend."""
+
+    graphs: bool = True  # replay steps as CUDA graphs (on a GPU)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode batches are padded up to one of these
+    prefill_graphs: bool = False  # capture prefill chunks too (one graph per chunk shape)
+
+    def __post_init__(self):
+        b = self.batch_buckets
+        if not b or any(x < 1 for x in b) or list(b) != sorted(set(b)):
+            raise ValueError(f"batch_buckets must be increasing positive ints, got {list(b)}")
+
+
+def options(raw: dict | None, source: str = "recipe") -> Options:
+    from kimi_compile.recipe import coerce_options
+
+    return coerce_options(Options, {k: v for k, v in (raw or {}).items() if not k.startswith("_")},
+                          "backend.options", source)
+
+
+def version() -> str:
+    from importlib.metadata import version as dist_version
+
+    return dist_version("torch")
+
+
+def build(graphs: dict, out_dir: Path, opts: dict | None = None) -> dict[str, Any]:
+    from kimi_compile.backends.cuda.program import Program
+
+    options(opts)  # validated here too: a bad option fails the build, not the first run
+
+    coverage = {phase: Program(m, "meta", weights=False, kernel_device="cuda").coverage()
+                for phase, m in graphs.items()}
+    record = write_graphs(graphs, out_dir)
+    record["_gpu_coverage"] = {phase: {"nodes": rows, "fallbacks": [r for r in rows if r["impl"] == "reference"]}
+                               for phase, rows in coverage.items()}
+    return record
+
+
+class Executor:
+    """Runs the artifact's phase graphs on one device: `run(phase, feeds) -> {output name: tensor}`. Caches are
+    device tensors from `zeros()`; the graphs update them in place (the `<cache>.out` outputs are those tensors)."""
+
+    def __init__(self, artifact_dir: Path, manifest: dict, device: str | None = None, plan: bool = True,
+                 graphs: bool | None = None):
+        import torch
+
+        self.torch = torch
+        self.dir = Path(artifact_dir)
+        self.manifest = manifest
+        self.options = options(manifest.get("recipe", {}).get("backend", {}).get("options"), str(artifact_dir))
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.plan = plan
+        self.graphs = (self.options.graphs if graphs is None else graphs) and self.device.type == "cuda"
+        self._programs: dict[str, Any] = {}
+
+    @property
+    def static_shapes(self) -> bool:
+        """With graphs, caches take the artifact's full capacity and batches their bucket: one capture serves
+        every request of a bucket."""
+        return self.graphs
+
+    def batch_bucket(self, batch: int) -> int:
+        if not self.graphs:
+            return batch
+        return next((b for b in self.options.batch_buckets if b >= batch), batch)
+
+    def program(self, phase: str):
+        if phase not in self._programs:
+            import onnx_ir as ir
+
+            from kimi_compile.backends.cuda.program import Program
+            from kimi_compile.functions import attach_functions
+
+            m = ir.load(self.dir / self.manifest["graphs"][phase]["file"])
+            attach_functions(m)
+            self._programs[phase] = Program(m, self.device)
+        return self._programs[phase]
+
+    def zeros(self, shape, dtype: str):
+        from kimi_compile.backends.cuda.onnx_ops import DTYPES
+
+        import onnx_ir as ir
+
+        dt = DTYPES[ir.DataType.from_numpy(np.dtype(dtype)).value] if dtype != "bfloat16" else self.torch.bfloat16
+        return self.torch.zeros(tuple(shape), dtype=dt, device=self.device)
+
+    def run(self, phase: str, feeds: dict) -> dict:
+        torch = self.torch
+        dev = {k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))).to(self.device)
+               for k, v in feeds.items()}
+        graphs = self.graphs and (phase == "decode" or self.options.prefill_graphs)
+        return self.program(phase).run(dev, plan=self.plan, graphs=graphs)
+
+    def stack(self, rows: list):
+        return self.torch.stack(rows)
+
+    def host(self, x) -> np.ndarray:
+        from kimi_compile.backends.cuda.program import to_numpy
+
+        return to_numpy(x) if isinstance(x, self.torch.Tensor) else np.asarray(x)
+
+
+def load(artifact_dir: Path, manifest: dict, threads: int | None = None, device: str | None = None, **kw) -> Executor:
+    return Executor(artifact_dir, manifest, device=device, **kw)

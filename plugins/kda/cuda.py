@@ -1,0 +1,79 @@
+"""cuda backend kernel for kimi.KDA (one whole KDA layer), composed from GEMMs, a depthwise conv over the carried
+window, and the gated delta rule: on the GPU the Triton decode step (plugins/kda/triton.py, state updated in place)
+for one token and fla-core's chunk_kda for longer steps; on the CPU the reference model's torch recurrences.
+
+Padding rows (t >= lengths[b]) get g = 0 and beta = 0, so the state is untouched there, exactly as the op's
+contract says; the conv window and the state are written in place (outputs 1 and 2 alias inputs 1 and 2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kimi_compile.ops import Kernel
+
+_FUSED: dict[tuple, torch.Tensor] = {}  # (data_ptr of w_q, w_k, w_v[, conv]) -> concatenated weight, made once
+
+
+def _cat_once(key: tuple, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    t = _FUSED.get(key)
+    if t is None:
+        t = _FUSED[key] = torch.cat(parts, dim)
+    return t
+
+
+def _recurrence(q, k, v, g, beta, state):
+    """o [B,T,H,D]; state [B,H,D,D] fp32 updated in place."""
+    T = q.shape[1]
+    if state.is_cuda and T == 1:
+        from kimi_compile.plugins.kda.triton import kda_decode_step
+
+        o = kda_decode_step(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), g[:, 0].float(),
+                            beta[:, 0].float(), state)
+        return o.unsqueeze(1)
+    if state.is_cuda:
+        from fla.ops.kda import chunk_kda
+
+        o, final = chunk_kda(q.to(v.dtype), k.to(v.dtype), v, g.float(), beta.float(), scale=1.0,
+                             initial_state=state, output_final_state=True)
+        state.copy_(final)
+        return o
+    from kimi_compile.model.primitives import kda_chunked, kda_recurrent
+
+    o, S = kda_recurrent(q, k, v, g, beta, state) if T == 1 else kda_chunked(q, k, v, g, beta, state, 64)
+    state.copy_(S)
+    return o
+
+
+def kda(x, a):
+    (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
+     o_norm, w_o) = x
+    B, T, _ = h.shape
+    H, D = A_log.numel(), o_norm.numel()
+    P, W = H * D, conv_q.shape[-1]
+    dt = h.dtype
+    w_qkv = _cat_once(("qkv", w_q.data_ptr(), w_k.data_ptr(), w_v.data_ptr()), [w_q, w_k, w_v], 1)
+    cw = _cat_once(("conv", conv_q.data_ptr(), conv_k.data_ptr(), conv_v.data_ptr()), [conv_q, conv_k, conv_v], 0)
+    u = h @ w_qkv.to(dt)  # [B, T, 3P]
+    cat = torch.cat([conv_state.to(dt), u], 1)  # [B, W-1+T, 3P]
+    y = F.silu(F.conv1d(cat.transpose(1, 2), cw.to(dt), groups=3 * P).transpose(1, 2))  # [B, T, 3P]
+    rows = lengths.reshape(B, 1) + torch.arange(W - 1, device=h.device).reshape(1, W - 1)
+    conv_state.copy_(torch.gather(cat, 1, rows.unsqueeze(-1).expand(B, W - 1, 3 * P)))
+    q, k, v = (t.reshape(B, T, H, D) for t in y.split(P, dim=-1))
+    q = q.float() * torch.rsqrt(q.float().pow(2).sum(-1, keepdim=True) + a["l2_eps"]) * a["scale"]
+    k = k.float() * torch.rsqrt(k.float().pow(2).sum(-1, keepdim=True) + a["l2_eps"])
+    f = ((h @ w_f_a.to(dt)) @ w_f_b.to(dt)).float().reshape(B, T, H, D) + dt_bias.float().reshape(H, D)
+    g = a["lower_bound"] * torch.sigmoid(torch.exp(A_log.float()).reshape(H, 1) * f)
+    beta = torch.sigmoid((h @ w_b.to(dt)).float())
+    valid = (torch.arange(T, device=h.device).reshape(1, T) < lengths.reshape(B, 1)).float()
+    g = g * valid.reshape(B, T, 1, 1)
+    beta = beta * valid.reshape(B, T, 1)
+    o = _recurrence(q, k, v, g, beta, state).float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + a["eps"]) * o_norm.float()
+    gate = torch.sigmoid((h @ w_g.to(dt)).float().reshape(B, T, H, D))
+    out = (o * gate).reshape(B, T, P).to(dt) @ w_o.to(dt)
+    return out, conv_state, state
+
+
+CUDA = {"KDA": Kernel(kda, devices=("cuda", "cpu"), inplace={1: 1, 2: 2}, name="kda.triton_decode+fla_chunk")}

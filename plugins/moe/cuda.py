@@ -1,0 +1,62 @@
+"""cuda backend kernel for kimi.MoE: router, top-k and the latent experts as grouped GEMMs over the tokens sorted by
+expert (static shapes: N*k rows whatever the routing, so the step can be captured in a CUDA graph).
+
+Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
+(CPU, fp32) the same sorted layout through a gathered batched product. Selection and weights follow the op's
+contract exactly (fp32 router scores, ties to the lower expert).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kimi_compile.ops import Kernel
+
+
+def _act(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
+    return a * (linear_beta * torch.tanh(u / linear_beta) if linear_beta > 0 else u)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows of x (sorted by expert; `expert` per row, `offs` cumulative row ends) times w[e]^T, w [E, out, in]."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    return torch.bmm(w.index_select(0, expert), x.unsqueeze(-1)).squeeze(-1)
+
+
+def moe(x, a):
+    (h, router_w, router_bias, w_down, w1, w3, w2, norm_w, w_up, sh_gate, sh_up, sh_down) = x
+    shape, dt = h.shape, h.dtype
+    k, E = int(a["top_k"]), router_w.shape[0]
+    xf = h.reshape(-1, shape[-1])
+    s = torch.sigmoid(xf.float() @ router_w.float().t())
+    choice = s + router_bias.float()
+    idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]  # ties -> lower expert
+    wk = s.gather(-1, idx)
+    if a["renormalize"]:
+        wk = wk / wk.sum(-1, keepdim=True)
+    wk = wk * a["scaling"]
+    z = xf @ w_down.t().to(dt)
+    flat = idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    expert = flat.index_select(0, order)
+    token = order // k
+    counts = torch.zeros(E, dtype=torch.int32, device=h.device).scatter_add_(
+        0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    zs = z.index_select(0, token)
+    gate = _grouped(zs, w1.to(dt), expert, offs)
+    up = _grouped(zs, w3.to(dt), expert, offs)
+    act = _act(up.float(), gate.float(), a["situ_beta"], a["situ_linear_beta"]).to(dt)
+    r_sorted = _grouped(act, w2.to(dt), expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
+    r = torch.zeros(xf.shape[0], r_sorted.shape[-1], dtype=torch.float32, device=h.device)
+    r.index_add_(0, token, r_sorted)
+    r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + a["eps"]) * norm_w.float()
+    y = r.to(dt) @ w_up.t().to(dt)
+    shared = _act((xf @ sh_up.t().to(dt)).float(), (xf @ sh_gate.t().to(dt)).float(), a["situ_beta"],
+                  a["situ_linear_beta"]).to(dt) @ sh_down.t().to(dt)
+    return ((y + shared).reshape(shape),)
+
+
+CUDA = {"MoE": Kernel(moe, devices=("cuda", "cpu"), name="torch.grouped_moe")}

@@ -1,0 +1,26 @@
+"""cuda backend kernels for the paged-cache primitives: torch index ops, on any device, writes in place."""
+
+from __future__ import annotations
+
+from kimi_compile.ops import Kernel
+
+
+def paged_write(x, a):
+    """pool [NB, BS, D] <- rows `slots` (flat block * BS + row) of values [N, D], in place; returns the pool."""
+    pool, slots, values = x
+    d = pool.shape[-1]
+    pool.view(-1, d).index_copy_(0, slots.reshape(-1), values.reshape(-1, d).to(pool.dtype))
+    return (pool,)
+
+
+def paged_gather(x, a):
+    """pool [NB, BS, D], block_table [B, MB] -> [B, MB * BS, D]: row s of sequence b is its position s."""
+    pool, bt = x
+    B, MB = bt.shape
+    return (pool.index_select(0, bt.reshape(-1)).reshape(B, MB * pool.shape[1], *pool.shape[2:]),)
+
+
+CUDA = {
+    "PagedWrite": Kernel(paged_write, devices=("cuda", "cpu"), inplace={0: 0}, name="torch.index_copy_"),
+    "PagedGather": Kernel(paged_gather, devices=("cuda", "cpu"), name="torch.index_select"),
+}
