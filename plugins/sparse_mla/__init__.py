@@ -19,12 +19,13 @@ Math     q_lat = q_nope . w_uk;  s_j = (q_lat . c_j + q_pe . pe_j) * scale over 
 
 from __future__ import annotations
 
-import numpy as np
 from onnx import TensorProto, helper
 
 from kimi_compile.onnx_body import attr_const
 from kimi_compile.ops import DOMAIN, ONNX_OPSET, OpDef, TensorType, register
 from kimi_compile.plugins.indexer_topk import MASKED, _c, dequant_nodes, paged_keys_nodes
+
+from . import reference
 
 NAME = "SparseMLA"
 
@@ -104,43 +105,6 @@ def function(kv_format: str = "float", rope_format: str = "float", elem: str = "
                                             "rope_tile"], overload=overload_name(kv_format, rope_format, elem))
 
 
-def _dequant(fmt, codes, scale, tile, elem):
-    from kimi_compile.plugins.quant.reference import fp8_tile_dequantize, mx_dequantize
-
-    if fmt == "float":
-        return np.asarray(codes, dtype=np.float32)
-    if fmt == "mxfp8":
-        return mx_dequantize(codes, scale, block=tile, elem=elem)
-    return fp8_tile_dequantize(codes, scale, tile=tile)
-
-
-def reference(q_nope, q_pe, kv_pool, block_table, indices, w_uk, w_uv, kv_scale_pool=None, kv_rope_pool=None,
-              kv_rope_scale_pool=None, *, scale: float, kv_lora_rank: int, kv_format: str = "float",
-              rope_format: str = "float", elem: str = "e4m3", tile: int = 128, rope_tile: int = 128):
-    """numpy reference in fp64, one (b, t, head) at a time."""
-    if kv_format != "float":
-        kv_pool = np.concatenate([_dequant(kv_format, kv_pool, kv_scale_pool, tile, elem),
-                                  _dequant(rope_format, kv_rope_pool, kv_rope_scale_pool, rope_tile, elem)], -1)
-    B, T, H, _ = q_nope.shape
-    BS, C = kv_pool.shape[1], kv_pool.shape[2]
-    R = kv_lora_rank
-    keys = kv_pool[block_table.reshape(-1)].reshape(B, -1, C).astype(np.float64)
-    o = np.zeros((B, T, H, w_uv.shape[1]))
-    for b in range(B):
-        for t in range(T):
-            sel = [int(j) for j in indices[b, t] if j >= 0]
-            if not sel:
-                continue
-            rows = keys[b, sel]
-            for h in range(H):
-                q_lat = q_nope[b, t, h].astype(np.float64) @ w_uk[h]
-                s = (rows[:, :R] @ q_lat + rows[:, R:] @ q_pe[b, t, h]) * scale
-                p = np.exp(s - s.max())
-                p /= p.sum()
-                o[b, t, h] = w_uv[h] @ (p @ rows[:, :R])
-    return o.astype(np.float32)
-
-
 def infer(types, attrs):
     q, w_uv = types[0], types[6]
     shape = None
@@ -153,5 +117,5 @@ INPUTS = ("q_nope", "q_pe", "kv_pool", "block_table", "indices", "w_uk", "w_uv",
           "kv_rope_scale_pool")
 OP = register(OpDef(NAME, INPUTS, ("o",),
                     {"scale": 1.0, "kv_lora_rank": 512, "kv_format": "float", "rope_format": "float", "elem": "e4m3",
-                     "tile": 128, "rope_tile": 128}, function=function, infer=infer, reference=reference,
+                     "tile": 128, "rope_tile": 128}, function=function, infer=infer, reference=reference.sparse_mla,
                     doc=__doc__))
