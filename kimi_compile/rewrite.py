@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
 from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.plugins.quant.reference import ELEM_BY_ONNX_TYPE, code_table
 
 log = logging.getLogger("kimi_compile.fusion")
 
@@ -162,15 +163,13 @@ def quantized_read(v: ir.Value | None) -> dict | None:
         v = kimi.DequantizeMX|DequantizeFP8Tile(Cast(Gather(TABLE, Cast(PagedGather(P, bt), INT32)), to=FLOAT8),
                                                 PagedGather(P.scale, bt))
     -> dict(kind "mx"|"tile", pool=P, scale_pool=P.scale, bt, block, elem "e4m3"|"e5m2")."""
-    from kimi_compile.passes.quantize import _ELEM_BY_TYPE, code_table
-
     n = v.producer() if v is not None else None
     if n is None or n.domain != DOMAIN or n.op_type not in ("DequantizeMX", "DequantizeFP8Tile"):
         return None
     c8 = n.inputs[0].producer()
-    if c8 is None or c8.op_type != "Cast" or c8.domain != "" or attr(c8, "to") not in _ELEM_BY_TYPE:
+    if c8 is None or c8.op_type != "Cast" or c8.domain != "" or attr(c8, "to") not in ELEM_BY_ONNX_TYPE:
         return None
-    elem = _ELEM_BY_TYPE[attr(c8, "to")]
+    elem = ELEM_BY_ONNX_TYPE[attr(c8, "to")]
     gat = c8.inputs[0].producer()
     if gat is None or gat.op_type != "Gather" or gat.domain != "" or attr(gat, "axis", 0) != 0:
         return None

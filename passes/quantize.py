@@ -56,27 +56,17 @@ import onnx_ir as ir
 from kimi_compile.functions import attach_functions
 from kimi_compile.ops import DOMAIN
 from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.plugins.quant.reference import code_table, elem_format, search_table
 from kimi_compile.rewrite import static_last
 
 RULE = "quantize"
-_F8 = {"e4m3": (ir.DataType.FLOAT8E4M3FN, ml_dtypes.float8_e4m3fn),
-       "e5m2": (ir.DataType.FLOAT8E5M2, ml_dtypes.float8_e5m2)}
-_ELEM_BY_TYPE = {17: "e4m3", 19: "e5m2"}
 _CACHE_ROLE = {"index_k": "index_k_cache", "kv": "latent_kv_cache"}
 _SIM_DTYPE = {"bf16": ir.DataType.BFLOAT16, "fp16": ir.DataType.FLOAT16}
 
 
-def code_table(elem: str) -> np.ndarray:
-    """float32[256]: the value of every float8 code (NaN codes NaN)."""
-    return np.arange(256, dtype=np.uint8).view(_F8[elem][1]).astype(np.float32)
-
-
-def search_table(elem: str) -> np.ndarray:
-    """float32[128]: nonneg code c -> its value, +inf past the largest finite code except the inf code (e5m2): the
-    code of a nonneg float8 value a is max{c : a >= T[c]}."""
-    t = code_table(elem)[:128].copy()
-    t[np.isnan(t)] = np.inf
-    return t
+def _f8_type(elem: str) -> ir.DataType:
+    """The ONNX float8 type of an element format ("e4m3" | "e5m2")."""
+    return ir.DataType(elem_format(elem).onnx_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +141,7 @@ def bits_fp8(e: _Emit, bits: ir.Value, elem: str) -> ir.Value:
     e.rule = "quantize.fp8_bits"
     idx = e.op("Cast", [bits], {"to": ir.DataType.INT32})
     val = e.op("Gather", [e.const(code_table(elem), "f8_codes"), idx], {"axis": 0})
-    out = e.op("Cast", [val], {"to": _F8[elem][0]}, what="codes")
+    out = e.op("Cast", [val], {"to": _f8_type(elem)}, what="codes")
     e.rule = old
     return out
 
@@ -317,7 +307,7 @@ class _Quantizer:
                 xs = e.op("Cast", [x], {"to": dt}) if dt != ir.DataType.FLOAT else x
                 stored.append((part.pool, xs, dt, part.dim, f"{dt.name.lower()}"))
             else:
-                elem_t = _F8[part.elem][0]
+                elem_t = _f8_type(part.elem)
                 if part.kind == "mx":
                     q, s = e.op("QuantizeMX", [x], {"block": part.block, "elem_type": int(elem_t),
                                                     "rounding": part.rounding}, domain=DOMAIN, outs=2)
@@ -407,7 +397,7 @@ class _Quantizer:
             if D is None or D % block:
                 self._refuse("dim_not_divisible", f"{prefix}: last dim {D} by block {block}")
                 return None
-            return e.op("QDQMX", [x], {"block": block, "elem_type": int(_F8[opts.get("elem", "e4m3")][0]),
+            return e.op("QDQMX", [x], {"block": block, "elem_type": int(_f8_type(opts.get("elem", "e4m3"))),
                                        "rounding": opts.get("rounding", "floor")}, domain=DOMAIN, what="qdq")
         if rule["format"] == "fp8_tile":
             tile = int(opts.get("tile", 128))

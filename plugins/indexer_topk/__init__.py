@@ -76,7 +76,7 @@ def overload_name(k_format: str = "float", elem: str = "e4m3") -> str:
 def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_attr: str) -> list:
     """ONNX nodes dequantizing gathered rows exactly as `quantize` reads its pools: uint8 bits -> FP8 codes (table
     lookup, Cast) -> kimi.DequantizeMX (kind mx, E8M0 scales) | kimi.DequantizeFP8Tile (kind tile, float32 scales)."""
-    from kimi_compile.passes.quantize import _F8, code_table
+    from kimi_compile.plugins.quant.reference import code_table, elem_format
 
     n = helper.make_node
     p = out + "_"
@@ -90,7 +90,7 @@ def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_
         n("Cast", [codes], [p + "i"], to=TensorProto.INT32),
         _c(p + "table", table.tolist(), TensorProto.FLOAT, dims=[256]),
         n("Gather", [p + "table", p + "i"], [p + "v"], axis=0),
-        n("Cast", [p + "v"], [p + "q"], to=int(_F8[elem][0])),
+        n("Cast", [p + "v"], [p + "q"], to=elem_format(elem).onnx_type),
         deq,
     ]
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 
 MASKED = -1e30  # the score of a slot or position that no query may see (both twins, the ONNX body, the kernels)
-E4M3_MAX = 448.0
 
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op
@@ -56,37 +55,18 @@ def indexer_topk(q, w, index_pool, block_table, start, lengths, topk: int = 2048
 
 # ---------------------------------------------------------------- torch twins: MXFP8 cache helpers
 def mxfp8_quantize_ref(x, rounding: str = "floor"):
-    """x [..., D] (D % 32 == 0), finite -> (codes uint8 [..., D], scales uint8 E8M0 [..., D // 32]); exact exponent rule."""
-    import torch
+    """x [..., D] (D % 32 == 0), finite -> (codes uint8 [..., D], scales uint8 E8M0 [..., D // 32]): the E4M3 MXFP8
+    quantizer of plugins/quant/reference.py (block 32, `rounding` floor | ceil)."""
+    from kimi_compile.plugins.quant.reference import mx_quantize_torch
 
-    x = x.float()
-    xb = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
-    amax = xb.abs().amax(-1)
-    m, ex = torch.frexp(amax.double())  # amax = m * 2^ex, m in [0.5, 1)
-    e = ex.long() - 1 - 8
-    if rounding == "ceil":
-        e = e + (2 * m > 1.75).long()
-    elif rounding != "floor":
-        raise ValueError(f"rounding must be 'floor' or 'ceil', got {rounding!r}")
-    e = torch.where(amax > 0, e, torch.full_like(e, -127)).clamp(-127, 127)
-    v = torch.ldexp(xb.double(), -e[..., None].double()).float().clamp(-E4M3_MAX, E4M3_MAX)
-    codes = v.to(torch.float8_e4m3fn).view(torch.uint8).reshape(x.shape)
-    return codes, (e + 127).to(torch.uint8)
-
-
-def e4m3_to_float(codes):
-    import torch
-
-    return codes.contiguous().view(torch.float8_e4m3fn).float()
+    return mx_quantize_torch(x, block=32, elem="e4m3", rounding=rounding)
 
 
 def mxfp8_dequantize_ref(codes, scales):
-    """codes uint8 [..., D], scales uint8 [..., D // 32] -> float64 [..., D]."""
-    import torch
+    """codes uint8 [..., D], scales uint8 [..., D // 32] -> float64 [..., D] (exact)."""
+    from kimi_compile.plugins.quant.reference import mx_dequantize_torch
 
-    v = e4m3_to_float(codes).double()
-    s = torch.ldexp(torch.ones_like(scales, dtype=torch.float64), scales.long().double() - 127)
-    return (v.reshape(*v.shape[:-1], -1, 32) * s[..., None]).reshape(v.shape)
+    return mx_dequantize_torch(codes, scales, block=32, elem="e4m3")
 
 
 def write_index_cache_ref(k, slot_mapping, codes_cache, scales_cache, rounding: str = "floor") -> None:

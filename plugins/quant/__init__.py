@@ -23,9 +23,9 @@ from onnx import TensorProto
 from kimi_compile.ops import OpDef, TensorType, register
 
 from . import reference
+from .reference import ELEM_BY_ONNX_TYPE
 
 _FLOAT_INPUTS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-_ELEM_BY_TYPE = {TensorProto.FLOAT8E4M3FN: "e4m3", TensorProto.FLOAT8E5M2: "e5m2"}
 _MX_ATTRS = {"block": 32, "elem_type": TensorProto.FLOAT8E4M3FN, "rounding": "floor"}
 _TILE_ATTRS = {"tile": 128, "scale_fmt": "fp32"}
 
@@ -38,7 +38,7 @@ def _attrs(op: str, defaults: dict[str, Any], attrs: dict[str, Any]) -> dict[str
     for key in ("block", "tile"):
         if key in a and (not isinstance(a[key], (int, np.integer)) or a[key] <= 0):
             raise ValueError(f"kimi.{op}: attribute {key} must be a positive int, got {a[key]!r}")
-    if "elem_type" in a and a["elem_type"] not in _ELEM_BY_TYPE:
+    if "elem_type" in a and a["elem_type"] not in ELEM_BY_ONNX_TYPE:
         raise ValueError(f"kimi.{op}: attribute elem_type must be FLOAT8E4M3FN (17) or FLOAT8E5M2 (19), "
                          f"got {a['elem_type']!r}")
     if "rounding" in a and a["rounding"] not in reference.ROUNDINGS:
@@ -87,7 +87,7 @@ def _infer_dequantize(op: str, defaults: dict[str, Any], key: str):
     def infer(types: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[TensorType]:
         a = _attrs(op, defaults, attrs)
         q, scale = types[0], types[1]
-        _check_dtype(op, "q", q, tuple(_ELEM_BY_TYPE) if key == "block" else (TensorProto.FLOAT8E4M3FN,))
+        _check_dtype(op, "q", q, tuple(ELEM_BY_ONNX_TYPE) if key == "block" else (TensorProto.FLOAT8E4M3FN,))
         _check_dtype(op, "scale", scale, (TensorProto.UINT8,) if key == "block" else (TensorProto.FLOAT,))
         shape, gshape = _grouped_shape(op, "q", q, a[key], key)
         if gshape is not None and scale is not None and scale.shape is not None:
@@ -125,7 +125,7 @@ def _codes(q: Any) -> tuple[np.ndarray, str]:
 def quantize_mx_ref(x, *, block=32, elem_type=TensorProto.FLOAT8E4M3FN, rounding="floor"):
     """kimi.QuantizeMX reference: (q uint8 codes, scale uint8 E8M0 bytes)."""
     a = _attrs("QuantizeMX", _MX_ATTRS, {"block": block, "elem_type": elem_type, "rounding": rounding})
-    return reference.mx_quantize(x, block=a["block"], elem=_ELEM_BY_TYPE[a["elem_type"]], rounding=a["rounding"])
+    return reference.mx_quantize(x, block=a["block"], elem=ELEM_BY_ONNX_TYPE[a["elem_type"]], rounding=a["rounding"])
 
 
 def dequantize_mx_ref(q, scale, *, block=32):
@@ -137,7 +137,7 @@ def dequantize_mx_ref(q, scale, *, block=32):
 def qdq_mx_ref(x, *, block=32, elem_type=TensorProto.FLOAT8E4M3FN, rounding="floor"):
     """kimi.QDQMX reference: dequantize(quantize(x)) cast to x's dtype."""
     q, s = quantize_mx_ref(x, block=block, elem_type=elem_type, rounding=rounding)
-    y = reference.mx_dequantize(q, s, block=block, elem=_ELEM_BY_TYPE[elem_type])
+    y = reference.mx_dequantize(q, s, block=block, elem=ELEM_BY_ONNX_TYPE[elem_type])
     return y.astype(np.asarray(x).dtype)
 
 

@@ -52,41 +52,17 @@ FLOAT8E4M3FN = TensorProto.FLOAT8E4M3FN  # 17
 FLOAT8E5M2 = TensorProto.FLOAT8E5M2  # 19
 
 
-def _f32(v: float) -> np.float32:
-    return np.float32(v) if abs(v) <= float(np.finfo(np.float32).max) else np.float32(math.inf)
-
-
-def pow2_table() -> np.ndarray:
-    """float32[256]: entry b = 2^(b-127) for b < 255, NaN for 255 (the E8M0 decoding table)."""
-    t = np.array([math.ldexp(1.0, b - ref.E8M0_BIAS) for b in range(255)] + [math.nan], np.float64)
-    return t.astype(np.float32)
-
-
-def threshold_table(elem: str, rounding: str) -> np.ndarray:
-    """float32[256]: byte(amax) = max{c : amax >= T[c]} (0 if none) is the E8M0 byte of the scale rule."""
-    fmt = ref.elem_format(elem)
-    t = np.full(256, np.inf, np.float32)
-    t[0] = 0.0  # never consulted: the search only probes c >= 1
-    for c in range(1, 255):
-        if rounding == "floor":
-            t[c] = _f32(math.ldexp(1.0, c - ref.E8M0_BIAS + fmt.emax))
-        else:
-            edge = _f32(fmt.max_normal * math.ldexp(1.0, c - ref.E8M0_BIAS - 1))
-            t[c] = np.nextafter(edge, np.float32(np.inf))
-    return t
-
-
 def _tensor(name: str, a: np.ndarray) -> TensorProto:
     return oh.make_tensor(name, TensorProto.FLOAT, list(a.shape), a.ravel().tolist())
 
 
 # Row index = 2 * (elem_type == FLOAT8E5M2) + (rounding == "ceil").
-_POW2 = _tensor("kimi_pow2", pow2_table())
+_POW2 = _tensor("kimi_pow2", ref.pow2_table())
 _MX_THRESHOLDS = _tensor(
     "kimi_mx_thresholds",
-    np.stack([threshold_table(e, r) for e in ("e4m3", "e5m2") for r in ("floor", "ceil")]),
+    np.stack([ref.threshold_table(e, r) for e in ("e4m3", "e5m2") for r in ("floor", "ceil")]),
 )
-_UE8M0_THRESHOLDS = _tensor("kimi_ue8m0_thresholds", threshold_table("e4m3", "ceil"))
+_UE8M0_THRESHOLDS = _tensor("kimi_ue8m0_thresholds", ref.threshold_table("e4m3", "ceil"))
 
 
 @script(kimi, default_opset=op)

@@ -1,4 +1,6 @@
-"""Numpy references (and torch twins) for MXFP8 and FP8 tile quantization (optimizations.md §5).
+"""The FP8 / MXFP8 / E8M0 formats, defined once: their code tables, and the numpy references (with torch twins) of
+MXFP8 and FP8 tile quantization (optimizations.md §5). Every other module (the quant ONNX bodies, the quantize pass,
+the fusion matchers, the other ops' references and bodies) reads its format facts from here.
 
 Inputs may be float16/bfloat16/float32 (upcast exactly) or float64 (rounded to float32 first); all arithmetic is float32.
 These functions are the numerical oracle of the `kimi.QuantizeMX` / `kimi.QuantizeFP8Tile` family: the ONNX lowerings
@@ -34,6 +36,7 @@ rounded) followed by round-to-nearest-even. An all-zero tile stores scale = 1e-4
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import ml_dtypes
@@ -68,11 +71,54 @@ ELEM_FORMATS = {
 }
 
 
+ELEM_BY_ONNX_TYPE = {f.onnx_type: name for name, f in ELEM_FORMATS.items()}  # {17: "e4m3", 19: "e5m2"}
+
+
 def elem_format(elem: str) -> ElemFormat:
     try:
         return ELEM_FORMATS[elem]
     except KeyError:
         raise ValueError(f"elem must be one of {sorted(ELEM_FORMATS)}, got {elem!r}") from None
+
+
+# ---- code tables (the ONNX bodies and the quantize pass compute with them: no Log/Pow/BitCast at opset 23) ----
+
+
+def code_table(elem: str) -> np.ndarray:
+    """float32[256]: the value of every FP8 code byte of `elem` (NaN codes NaN)."""
+    return np.arange(256, dtype=np.uint8).view(elem_format(elem).dtype).astype(np.float32)
+
+
+def search_table(elem: str) -> np.ndarray:
+    """float32[128]: nonneg code c -> its value, +inf past the largest finite code except the inf code (e5m2): the
+    code of a nonneg FP8 value a is max{c : a >= T[c]}."""
+    t = code_table(elem)[:128].copy()
+    t[np.isnan(t)] = np.inf
+    return t
+
+
+def _f32(v: float) -> np.float32:
+    return np.float32(v) if abs(v) <= float(np.finfo(np.float32).max) else np.float32(math.inf)
+
+
+def pow2_table() -> np.ndarray:
+    """float32[256]: entry b = 2^(b-127) for b < 255, NaN for 255 (the E8M0 decoding table)."""
+    t = np.array([math.ldexp(1.0, b - E8M0_BIAS) for b in range(255)] + [math.nan], np.float64)
+    return t.astype(np.float32)
+
+
+def threshold_table(elem: str, rounding: str) -> np.ndarray:
+    """float32[256]: byte(amax) = max{c : amax >= T[c]} (0 if none) is the E8M0 byte of the scale rule."""
+    fmt = elem_format(elem)
+    t = np.full(256, np.inf, np.float32)
+    t[0] = 0.0  # never consulted: the search only probes c >= 1
+    for c in range(1, 255):
+        if rounding == "floor":
+            t[c] = _f32(math.ldexp(1.0, c - E8M0_BIAS + fmt.emax))
+        else:
+            edge = _f32(fmt.max_normal * math.ldexp(1.0, c - E8M0_BIAS - 1))
+            t[c] = np.nextafter(edge, np.float32(np.inf))
+    return t
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -235,6 +281,22 @@ def fp8_tile_qdq(x: Any, *, tile: int = 128, scale_fmt: str = "fp32") -> np.ndar
 # ---- torch twins (same semantics; torch imported lazily so the numpy path never pulls it in) ----
 
 
+def _exponent_torch(amax: Any, emax: int, ceil: bool) -> Any:
+    """Torch twin of the exponent rules for positive amax: floor(log2(amax)) - emax, or the smallest e with
+    amax <= 1.75 * 2^emax * 2^e (max_normal = 1.75 * 2^emax), exact from the bits (frexp)."""
+    import torch
+
+    m, ex = torch.frexp(amax.double())  # amax = m * 2^ex, m in [0.5, 1)
+    e = ex.long() - 1 - emax
+    return e + (2 * m > 1.75).long() if ceil else e
+
+
+def _torch_fp8(elem: str) -> Any:
+    import torch
+
+    return {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[elem_format(elem).name]
+
+
 def mx_quantize_torch(x: Any, *, block: int = 32, elem: str = "e4m3", rounding: str = "floor") -> tuple[Any, Any]:
     """Torch twin of mx_quantize: returns (q uint8 codes, scale uint8 E8M0 bytes) as torch tensors, bit-identical."""
     import torch
@@ -248,19 +310,25 @@ def mx_quantize_torch(x: Any, *, block: int = 32, elem: str = "e4m3", rounding: 
     fin = torch.isfinite(xb)
     bad = ~fin.all(dim=-1)
     amax = torch.where(fin, xb, torch.zeros_like(xb)).abs().amax(dim=-1)
-    m, ex = torch.frexp(amax.double())  # amax = m * 2^ex, m in [0.5, 1)
-    if rounding == "floor":
-        e = ex.long() - 1 - fmt.emax
-    else:
-        e = ex.long() - 1 - fmt.emax + (2 * m > 1.75).long()
+    e = _exponent_torch(amax, fmt.emax, rounding == "ceil")
     e = torch.where(amax > 0, e, torch.full_like(e, E8M0_MIN_EXP)).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
     v = torch.ldexp(xb.double(), -e[..., None].double()).float()  # exact power-of-two scaling
     v = v.clamp(-fmt.max_normal, fmt.max_normal)
-    tdt = torch.float8_e4m3fn if elem == "e4m3" else torch.float8_e5m2
-    q = v.to(tdt).view(torch.uint8)
+    q = v.to(_torch_fp8(elem)).view(torch.uint8)
     q = torch.where(bad[..., None], torch.full_like(q, fmt.nan_code), q)
     scale = torch.where(bad, torch.full_like(e, E8M0_NAN), e + E8M0_BIAS).to(torch.uint8)
     return q.reshape(x.shape), scale
+
+
+def mx_dequantize_torch(q: Any, scale: Any, *, block: int = 32, elem: str = "e4m3") -> Any:
+    """Torch twin of mx_dequantize in float64 (exact for every code and scale byte, no float32 overflow): code value
+    times 2^(scale - 127) per block; scale 0xFF -> NaN block."""
+    import torch
+
+    v = q.contiguous().view(_torch_fp8(elem)).double()
+    s = torch.ldexp(torch.ones_like(scale, dtype=torch.float64), scale.long().double() - E8M0_BIAS)
+    s = torch.where(scale == E8M0_NAN, torch.full_like(s, float("nan")), s)
+    return (v.reshape(*v.shape[:-1], -1, block) * s[..., None]).reshape(v.shape)
 
 
 def fp8_tile_quantize_torch(x: Any, *, tile: int = 128, scale_fmt: str = "fp32") -> tuple[Any, Any]:
@@ -278,11 +346,10 @@ def fp8_tile_quantize_torch(x: Any, *, tile: int = 128, scale_fmt: str = "fp32")
     if scale_fmt == "fp32":
         scale = amax / FP8_TILE_MAX
     else:
-        m, ex = torch.frexp(amax.double())
-        e = ex.long() - 1 - 8 + (2 * m > 1.75).long()
+        e = _exponent_torch(amax, ELEM_FORMATS["e4m3"].emax, ceil=True)
         scale = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), e.double()).float()
     scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
     v = (xb / scale[..., None]).clamp(-FP8_TILE_MAX, FP8_TILE_MAX)
     q = v.to(torch.float8_e4m3fn).view(torch.uint8)
-    q = torch.where(bad[..., None], torch.full_like(q, 0x7F), q)
+    q = torch.where(bad[..., None], torch.full_like(q, ELEM_FORMATS["e4m3"].nan_code), q)
     return q.reshape(x.shape), scale

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     import torch
 
 D_LATENT, D_PE, ROW_BYTES = 512, 64, 656
-E4M3_MAX = 448.0
 
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op
@@ -71,16 +70,14 @@ def sparse_mla(q_nope, q_pe, kv_pool, block_table, indices, w_uk, w_uv, kv_scale
 
 # ---------------------------------------------------------------- torch twins: the oracle of the kernels
 def mla_fp8_quantize_ref(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """c_kv [N, 512], k_pe [N, 64] (finite) -> rows [N, 656] uint8 (ue8m0 tile scales, exact exponent rule)."""
+    """c_kv [N, 512], k_pe [N, 64] (finite) -> rows [N, 656] uint8: c_kv by plugins/quant/reference.py's FP8 tile
+    quantizer (tile 128, ue8m0: power-of-two float32 scales, exact exponent rule), k_pe as bf16."""
     import torch
 
+    from kimi_compile.plugins.quant.reference import fp8_tile_quantize_torch
+
     N = c_kv.shape[0]
-    xb = c_kv.float().reshape(N, 4, 128)
-    amax = xb.abs().amax(-1).clamp_min(1e-4)
-    m, ex = torch.frexp(amax.double())
-    e = ex.long() - 1 - 8 + (2 * m > 1.75).long()  # smallest e with amax <= 448 * 2^e
-    scale = torch.ldexp(torch.ones_like(amax, dtype=torch.float64), e.double()).float()
-    codes = (xb / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes, scale = fp8_tile_quantize_torch(c_kv, tile=128, scale_fmt="ue8m0")
     out = torch.empty(N, ROW_BYTES, dtype=torch.uint8, device=c_kv.device)
     out[:, :512] = codes.reshape(N, 512)
     out[:, 512:528] = scale.contiguous().view(torch.uint8).reshape(N, 16)

@@ -5,9 +5,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kimi_compile.passes.quantize import QuantizePass, code_table
+from kimi_compile.passes.quantize import QuantizePass
 from kimi_compile.pipeline import verify_model
 from kimi_compile.plugins import quant
+from kimi_compile.plugins.quant.reference import code_table
 from tests.passes._graphs import feeds_for, mla_layer, ops, run
 
 MX = {"block": 32, "rounding": "floor", "elem": "e4m3"}
