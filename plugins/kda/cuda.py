@@ -8,19 +8,23 @@ contract says; the conv window and the state are written in place (outputs 1 and
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from kimi_compile.ops import Kernel
 
-_FUSED: dict[tuple, torch.Tensor] = {}  # (data_ptr of w_q, w_k, w_v[, conv]) -> concatenated weight, made once
+# first part -> (the parts, their concatenation): made once per weight set (outside any CUDA-graph capture), dropped
+# with the weights
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _cat_once(key: tuple, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    t = _FUSED.get(key)
-    if t is None:
-        t = _FUSED[key] = torch.cat(parts, dim)
-    return t
+def _cat_once(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    hit = _FUSED.get(parts[0])
+    if hit is None or len(hit[0]) != len(parts) or any(a is not b for a, b in zip(hit[0], parts)):
+        hit = _FUSED[parts[0]] = (tuple(parts), torch.cat(parts, dim))
+    return hit[1]
 
 
 def _recurrence(q, k, v, g, beta, state):
@@ -53,8 +57,8 @@ def kda(x, a):
     H, D = A_log.numel(), o_norm.numel()
     P, W = H * D, conv_q.shape[-1]
     dt = h.dtype
-    w_qkv = _cat_once(("qkv", w_q.data_ptr(), w_k.data_ptr(), w_v.data_ptr()), [w_q, w_k, w_v], 1)
-    cw = _cat_once(("conv", conv_q.data_ptr(), conv_k.data_ptr(), conv_v.data_ptr()), [conv_q, conv_k, conv_v], 0)
+    w_qkv = _cat_once([w_q, w_k, w_v], 1)
+    cw = _cat_once([conv_q, conv_k, conv_v], 0)
     u = h @ w_qkv.to(dt)  # [B, T, 3P]
     cat = torch.cat([conv_state.to(dt), u], 1)  # [B, W-1+T, 3P]
     y = F.silu(F.conv1d(cat.transpose(1, 2), cw.to(dt), groups=3 * P).transpose(1, 2))  # [B, T, 3P]
