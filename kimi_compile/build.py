@@ -126,7 +126,9 @@ class ModelSource:
 
 
 def trace_options(recipe: Recipe) -> TraceOptions:
-    return TraceOptions(block_size=recipe.export.block_size, kda_chunk=recipe.export.prefill_chunk)
+    """The trace's options: the cache page size from the recipe; the KDA chunk (the chunked form's block, 64, as in
+    the kernels) is not the prefill chunk (export.prefill_chunk: tokens per prefill step, a runtime setting)."""
+    return TraceOptions(block_size=recipe.export.block_size)
 
 
 def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: CompileCache | None = None,
@@ -143,14 +145,15 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
     with tempfile.TemporaryDirectory(prefix="kimi-build-") as work:
         src = ModelSource(recipe, Path(work), say)
         traced, trace_key, trace_hit = _trace_stage(src, opts, cache, say)
-        check = Verifier(src.model(), opts, recipe.verify.tolerance) if verify else None
+        check = Verifier(src.model(), opts, recipe.verify.tolerance, run=getattr(backend, "run_graph", None)) \
+            if verify else None
         result = pipeline.run({p: m.clone() for p, m in traced.items()}, passes, cache=cache,
                               keys=dict.fromkeys(PHASES, trace_key), check=check, say=say)
         entry, record, backend_hit = _backend_stage(backend, recipe, result, cache, say)
         hits = {"trace": [trace_hit], "pass": result.cache_hits, "backend": [backend_hit]}
         stats = {k: {"hits": sum(v), "misses": len(v) - sum(v)} for k, v in hits.items()}
         accuracy = None
-        if recipe.precision and result.rebased:
+        if recipe.precision and result.rebased and recipe.verify.accuracy:
             from kimi_compile.accuracy import evaluate
 
             say("accuracy report: quantized vs unquantized")

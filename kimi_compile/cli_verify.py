@@ -34,13 +34,12 @@ def verify_artifacts(trt_dir: str | Path, ort_dir: str | Path, tolerance: float 
         trt = get("tensorrt").load(Path(trt_dir), trt_m)
     except EngineLoadError as e:
         return {"executed": False, "reason": str(e)}
-    from kimi_compile.build import load_model
+    from kimi_compile.build import load_model, trace_options
     from kimi_compile.verify import compare, reference_feeds, reference_outputs
     from kimi_compile.recipe import parse_recipe
-    from kimi_compile.trace_spec import TraceOptions
 
     recipe = parse_recipe(trt_m["recipe"], source=str(trt_dir))
-    opts = TraceOptions(block_size=recipe.export.block_size, kda_chunk=recipe.export.prefill_chunk)
+    opts = trace_options(recipe)
     ort = get("onnxruntime").load(Path(ort_dir), ort_m)
     tol = tolerance if tolerance is not None else recipe.verify.tolerance
     out: dict = {"executed": True, "tolerance": tol, "phases": {}}

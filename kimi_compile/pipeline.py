@@ -177,7 +177,7 @@ class PipelineResult:
     graphs: dict[str, ir.Model]  # phase -> optimized graph
     keys: dict[str, str]  # phase -> compile-cache key of its last stage
     records: list[PassRecord]
-    rebased: dict[str, ir.Model]  # phase -> graph right after the last signature-changing pass (if any)
+    rebased: dict[str, ir.Model]  # phase -> graph right after the first signature-changing pass (if any)
     verify_log: list[dict]
     cache_hits: list[bool]
 
@@ -212,7 +212,7 @@ def run(graphs: dict[str, ir.Model], passes: list[KimiPass], *, cache=None, keys
                 rec = PassRecord(**{**json.loads((entry / "record.json").read_text()), "cached": hit})
                 m = ir.load(entry / "graph.onnx")
                 attach_functions(m)
-            if p.changes_signature and rec.modified:
+            if p.changes_signature and rec.modified and phase not in out.rebased:
                 out.rebased[phase] = m.clone()
             if check is not None:
                 out.verify_log.append(check(phase, m, p.name, p.changes_signature and rec.modified))

@@ -161,25 +161,32 @@ def weight_like(model: ir.Model, like: ir.Value | None, arr: np.ndarray, what: s
 def quantized_read(v: ir.Value | None) -> dict | None:
     """The read of a quantized cache part, as emitted by `quantize`, else None:
         v = kimi.DequantizeMX|DequantizeFP8Tile(Cast(Gather(TABLE, Cast(PagedGather(P, bt), INT32)), to=FLOAT8),
-                                                PagedGather(P.scale, bt))
+                                                PagedGather(P.scale, bt))          (code_storage uint8)
+        v = kimi.DequantizeMX|DequantizeFP8Tile(PagedGather(P, bt), PagedGather(P.scale, bt))  (P float8-typed)
     -> dict(kind "mx"|"tile", pool=P, scale_pool=P.scale, bt, block, elem "e4m3"|"e5m2")."""
     n = v.producer() if v is not None else None
     if n is None or n.domain != DOMAIN or n.op_type not in ("DequantizeMX", "DequantizeFP8Tile"):
         return None
-    c8 = n.inputs[0].producer()
-    if c8 is None or c8.op_type != "Cast" or c8.domain != "" or attr(c8, "to") not in ELEM_BY_ONNX_TYPE:
-        return None
-    elem = ELEM_BY_ONNX_TYPE[attr(c8, "to")]
-    gat = c8.inputs[0].producer()
-    if gat is None or gat.op_type != "Gather" or gat.domain != "" or attr(gat, "axis", 0) != 0:
-        return None
-    table = const(gat.inputs[0])
-    if table is None or table.shape != (256,) or not np.array_equal(table, code_table(elem), equal_nan=True):
-        return None
-    ci = gat.inputs[1].producer()
-    if ci is None or ci.op_type != "Cast" or attr(ci, "to") != ir.DataType.INT32:
-        return None
-    pg, sg = ci.inputs[0].producer(), n.inputs[1].producer()
+    pg = n.inputs[0].producer()
+    if pg is not None and pg.op_type == "PagedGather" and pg.domain == DOMAIN and pg.inputs[0] is not None and \
+            pg.inputs[0].dtype is not None and pg.inputs[0].dtype.value in ELEM_BY_ONNX_TYPE:
+        elem = ELEM_BY_ONNX_TYPE[pg.inputs[0].dtype.value]
+    else:
+        c8 = n.inputs[0].producer()
+        if c8 is None or c8.op_type != "Cast" or c8.domain != "" or attr(c8, "to") not in ELEM_BY_ONNX_TYPE:
+            return None
+        elem = ELEM_BY_ONNX_TYPE[attr(c8, "to")]
+        gat = c8.inputs[0].producer()
+        if gat is None or gat.op_type != "Gather" or gat.domain != "" or attr(gat, "axis", 0) != 0:
+            return None
+        table = const(gat.inputs[0])
+        if table is None or table.shape != (256,) or not np.array_equal(table, code_table(elem), equal_nan=True):
+            return None
+        ci = gat.inputs[1].producer()
+        if ci is None or ci.op_type != "Cast" or attr(ci, "to") != ir.DataType.INT32:
+            return None
+        pg = ci.inputs[0].producer()
+    sg = n.inputs[1].producer()
     if any(x is None or x.op_type != "PagedGather" or x.domain != DOMAIN for x in (pg, sg)) or \
             pg.inputs[1] is not sg.inputs[1]:
         return None

@@ -59,7 +59,8 @@ def signature(m: ir.Model) -> dict:
     return {"inputs": [desc(v) for v in m.graph.inputs], "outputs": [desc(v) for v in m.graph.outputs]}
 
 
-_NP_DTYPE = {"FLOAT": "float32", "FLOAT16": "float16", "UINT8": "uint8", "INT64": "int64", "INT32": "int32"}
+_NP_DTYPE = {"FLOAT": "float32", "FLOAT16": "float16", "UINT8": "uint8", "INT64": "int64", "INT32": "int32",
+             "BFLOAT16": "bfloat16", "FLOAT8E4M3FN": "float8_e4m3fn", "FLOAT8E5M2": "float8_e5m2"}  # numpy/ml_dtypes
 
 
 def cache_layouts(cfg: KimiConfig, block_size: int, graph: ir.Model | None = None) -> list[dict]:

@@ -85,9 +85,12 @@ def ort_run(model_ir, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 class Verifier:
     """The pipeline's numerical check (kimi_compile.pipeline.Check) against the reference `model`."""
 
-    def __init__(self, model, opts, tolerance: float, seed: int = 0):
+    def __init__(self, model, opts, tolerance: float, seed: int = 0, run=None):
+        """`run(graph, feeds) -> outputs` executes a graph (default ONNX Runtime; a backend may bring its own CPU
+        runner for graphs ONNX Runtime cannot feed, e.g. bfloat16 or float8 caches)."""
         from kimi_compile.trace_spec import PHASES
 
+        self.run = run or ort_run
         self.tolerance = tolerance
         self.feeds = reference_feeds(model, opts, seed)
         self.expected = {p: reference_outputs(model, opts, p, self.feeds[p]) for p in PHASES}
@@ -98,7 +101,7 @@ class Verifier:
             from kimi_compile.accuracy import rebase_feeds
 
             self.feeds[phase] = rebase_feeds(model, self.feeds[phase], self._rebased_prefill)
-            got = ort_run(model, self.feeds[phase])
+            got = self.run(model, self.feeds[phase])
             err = compare({"logits": got["logits"]}, {"logits": self.expected[phase]["logits"]}, self.feeds[phase])
             self.expected[phase] = got
             if phase == "prefill":
@@ -106,7 +109,7 @@ class Verifier:
             return {"phase": phase, "after": after, "rel_err": err, "rebased": True,
                     "note": "error vs the fp32 reference after a signature change (not checked); later passes are "
                             "compared with this graph"}
-        err = compare(ort_run(model, self.feeds[phase]), self.expected[phase], self.feeds[phase])
+        err = compare(self.run(model, self.feeds[phase]), self.expected[phase], self.feeds[phase])
         if err > self.tolerance:
             what = f"the traced {phase} graph differs from the reference" if after == "trace" else \
                 f"pass {after!r} broke the {phase} graph"

@@ -161,6 +161,7 @@ def _split_of(values: ir.Value) -> list[int]:
     return [] if any(w is None for w in widths) else widths
 
 
+_KEEP = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16, "bfloat16": ir.DataType.BFLOAT16}
 _ABSORBED_MLA = ("bthd,hdr->bthr", "bthr,hvr->bthv")  # decode's q_nope @ W_UK and o_latent @ W_UV^T
 
 
@@ -173,7 +174,10 @@ class QuantizePass(KimiPass):
     class Options:
         rules: tuple[dict, ...] = ()  # recipe precision rules [{role, format, options}]; the build fills them
         latent_rope: Literal["keep", "fp8"] = "keep"  # the latent's trailing Concat part (RoPE dims)
-        keep_dtype: Literal["float32", "float16"] = "float32"  # storage of kept cache parts
+        keep_dtype: Literal["float32", "float16", "bfloat16"] = "float32"  # storage of kept cache parts
+        # uint8: pools hold the FP8 codes' bit patterns (ONNX Runtime can feed and scatter them; fp8_bits/bits_fp8
+        # convert); float8: pools are float8-typed and written/read directly (backends that store float8: cuda)
+        code_storage: Literal["uint8", "float8"] = "uint8"
         min_weight_elements: int = dataclasses.field(default=1024, metadata={"min": 0})
 
     def run(self, model: ir.Model, stats: PassStats) -> bool:
@@ -302,8 +306,7 @@ class _Quantizer:
                                    e.const(np.array([-1], np.int64), "axis")])
             stored: list[tuple[str, ir.Value, ir.DataType, int, str]] = []  # (pool name, value, dtype, dim, format)
             if part.kind == "keep":
-                dt = ir.DataType.FLOAT16 if (fmt_name == "fp16" or self.options.keep_dtype == "float16") \
-                    else ir.DataType.FLOAT
+                dt = ir.DataType.FLOAT16 if fmt_name == "fp16" else _KEEP[self.options.keep_dtype]
                 xs = e.op("Cast", [x], {"to": dt}) if dt != ir.DataType.FLOAT else x
                 stored.append((part.pool, xs, dt, part.dim, f"{dt.name.lower()}"))
             else:
@@ -316,8 +319,11 @@ class _Quantizer:
                     q, s = e.op("QuantizeFP8Tile", [x], {"tile": part.block, "scale_fmt": "fp32"}, domain=DOMAIN,
                                 outs=2)
                     sdt, sfmt = ir.DataType.FLOAT, f"fp32/{part.block}"
-                stored.append((part.pool, fp8_bits(e, q, part.elem), ir.DataType.UINT8, part.dim,
-                               f"{part.elem}.codes"))
+                if self.options.code_storage == "float8":
+                    stored.append((part.pool, q, elem_t, part.dim, f"{part.elem}.codes"))
+                else:
+                    stored.append((part.pool, fp8_bits(e, q, part.elem), ir.DataType.UINT8, part.dim,
+                                   f"{part.elem}.codes"))
                 stored.append((part.pool + ".scale", s, sdt, part.dim // part.block, sfmt))
             gathered = []
             for j, (pname, val, dt, dim, f) in enumerate(stored):
@@ -352,7 +358,8 @@ class _Quantizer:
                     if stored[0][2] != ir.DataType.FLOAT:
                         y = e.op("Cast", [y], {"to": ir.DataType.FLOAT})
                 else:
-                    codes = bits_fp8(e, gathered[0][k], part.elem)
+                    codes = gathered[0][k] if self.options.code_storage == "float8" else \
+                        bits_fp8(e, gathered[0][k], part.elem)
                     deq = "DequantizeMX" if part.kind == "mx" else "DequantizeFP8Tile"
                     key = "block" if part.kind == "mx" else "tile"
                     y = e.op(deq, [codes, gathered[1][k]], {key: part.block}, domain=DOMAIN, what="deq")

@@ -15,7 +15,8 @@ MASKED = -1e30
 def _keys(pool: torch.Tensor, bt: torch.Tensor, scale_pool: torch.Tensor | None, block: int) -> torch.Tensor:
     """[B, MB*BS, D] float32 keys of every sequence (dequantized per `block` with E8M0 scales when given)."""
     B, MB = bt.shape
-    k = pool.index_select(0, bt.reshape(-1)).float()
+    raw = pool.view(torch.uint8) if pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else pool
+    k = raw.index_select(0, bt.reshape(-1)).view(pool.dtype).float()
     if scale_pool is not None:
         from kimi_compile.plugins.quant.cuda import _scale_e8m0
 

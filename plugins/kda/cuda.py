@@ -15,15 +15,15 @@ import torch.nn.functional as F
 
 from kimi_compile.ops import Kernel
 
-# first part -> (the parts, their concatenation): made once per weight set (outside any CUDA-graph capture), dropped
-# with the weights
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id of the first part -> (weak references to the parts, their concatenation): made once per weight set (outside any
+# CUDA-graph capture); an entry whose weights died (an id reused by a new tensor) is remade
+_FUSED: dict[int, tuple[tuple, torch.Tensor]] = {}
 
 
 def _cat_once(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    hit = _FUSED.get(parts[0])
-    if hit is None or len(hit[0]) != len(parts) or any(a is not b for a, b in zip(hit[0], parts)):
-        hit = _FUSED[parts[0]] = (tuple(parts), torch.cat(parts, dim))
+    hit = _FUSED.get(id(parts[0]))
+    if hit is None or len(hit[0]) != len(parts) or any(r() is not t for r, t in zip(hit[0], parts)):
+        hit = _FUSED[id(parts[0])] = (tuple(weakref.ref(t) for t in parts), torch.cat(parts, dim))
     return hit[1]
 
 

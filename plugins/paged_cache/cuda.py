@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import torch
+
 from kimi_compile.ops import Kernel
+
+_BYTES = (torch.float8_e4m3fn, torch.float8_e5m2)  # index ops move their bytes (torch has no float8 index kernels)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype in _BYTES else t
 
 
 def paged_write(x, a):
     """pool [NB, BS, D] <- rows `slots` (flat block * BS + row) of values [N, D], in place; returns the pool."""
     pool, slots, values = x
     d = pool.shape[-1]
-    pool.view(-1, d).index_copy_(0, slots.reshape(-1), values.reshape(-1, d).to(pool.dtype))
+    _raw(pool).view(-1, d).index_copy_(0, slots.reshape(-1), _raw(values.to(pool.dtype)).reshape(-1, d))
     return (pool,)
 
 
@@ -17,7 +25,8 @@ def paged_gather(x, a):
     """pool [NB, BS, D], block_table [B, MB] -> [B, MB * BS, D]: row s of sequence b is its position s."""
     pool, bt = x
     B, MB = bt.shape
-    return (pool.index_select(0, bt.reshape(-1)).reshape(B, MB * pool.shape[1], *pool.shape[2:]),)
+    rows = _raw(pool).index_select(0, bt.reshape(-1)).reshape(B, MB * pool.shape[1], *pool.shape[2:])
+    return (rows.view(pool.dtype),)
 
 
 CUDA = {

@@ -19,7 +19,9 @@ def _rows(pool: torch.Tensor, bt: torch.Tensor, idx: torch.Tensor) -> torch.Tens
     safe = idx.clamp_min(0)
     blk = torch.gather(bt, 1, (safe // BS).reshape(bt.shape[0], -1)).reshape(idx.shape)
     flat = (blk * BS + safe % BS).reshape(-1)
-    return pool.reshape(-1, pool.shape[-1]).index_select(0, flat).reshape(*idx.shape, pool.shape[-1])
+    raw = pool.view(torch.uint8) if pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else pool
+    rows = raw.reshape(-1, pool.shape[-1]).index_select(0, flat).reshape(*idx.shape, pool.shape[-1])
+    return rows.view(pool.dtype)
 
 
 def _dequant(codes: torch.Tensor, scale: torch.Tensor, fmt: str, group: int) -> torch.Tensor:

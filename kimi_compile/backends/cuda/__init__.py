@@ -62,6 +62,19 @@ def build(graphs: dict, out_dir: Path, opts: dict | None = None) -> dict[str, An
     return record
 
 
+def run_graph(model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One graph on CPU tensors (the verifier's runner for graphs ONNX Runtime cannot feed)."""
+    import onnx_ir as ir
+    import torch
+
+    from kimi_compile.backends.cuda.program import Program, _to_torch, to_numpy
+
+    cpu = torch.device("cpu")
+    out = Program(model, "cpu").run({k: _to_torch(np.array(v), ir.DataType.from_numpy(np.asarray(v).dtype), cpu)
+                                     for k, v in feeds.items()}, plan=False)
+    return {k: to_numpy(v).astype(np.float32) if v.is_floating_point() else to_numpy(v) for k, v in out.items()}
+
+
 class Executor:
     """Runs the artifact's phase graphs on one device: `run(phase, feeds) -> {output name: tensor}`. Caches are
     device tensors from `zeros()`; the graphs update them in place (the `<cache>.out` outputs are those tensors)."""
@@ -103,17 +116,21 @@ class Executor:
         return self._programs[phase]
 
     def zeros(self, shape, dtype: str):
-        from kimi_compile.backends.cuda.onnx_ops import DTYPES
-
+        """A cache tensor on the device; `dtype` as the manifest names it (numpy / ml_dtypes names)."""
+        import ml_dtypes  # noqa: F401  (registers bfloat16 / float8 with numpy)
         import onnx_ir as ir
 
-        dt = DTYPES[ir.DataType.from_numpy(np.dtype(dtype)).value] if dtype != "bfloat16" else self.torch.bfloat16
+        from kimi_compile.backends.cuda.onnx_ops import torch_dtype
+
+        dt = torch_dtype(ir.DataType.from_numpy(np.dtype(dtype)))
         return self.torch.zeros(tuple(shape), dtype=dt, device=self.device)
 
     def run(self, phase: str, feeds: dict) -> dict:
         torch = self.torch
-        dev = {k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(v))).to(self.device)
-               for k, v in feeds.items()}
+        from kimi_compile.backends.cuda.program import _to_torch
+
+        dev = {k: v.to(self.device) if isinstance(v, torch.Tensor) else
+               _to_torch(np.asarray(v), None, self.device) for k, v in feeds.items()}
         graphs = self.graphs and (phase == "decode" or self.options.prefill_graphs)
         return self.program(phase).run(dev, plan=self.plan, graphs=graphs)
 

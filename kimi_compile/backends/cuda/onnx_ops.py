@@ -256,6 +256,33 @@ def _scatter_nd(x, a):
     return (out,)
 
 
+def _scatter_elements(x, a):
+    data, idx, upd = x
+    ax = _axis(a.get("axis", 0), data.dim())
+    idx = torch.where(idx < 0, idx + data.shape[ax], idx).to(data.device)
+    red = a.get("reduction", "none")
+    if red == "none":
+        return (data.scatter(ax, idx, upd.to(data.dtype)),)
+    return (data.scatter_reduce(ax, idx, upd.to(data.dtype), {"add": "sum", "mul": "prod", "max": "amax",
+                                                              "min": "amin"}[red], include_self=True),)
+
+
+def _conv(x, a):
+    data, w = x[0], x[1]
+    bias = x[2] if len(x) > 2 else None
+    nd = data.dim() - 2
+    if a.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        raise NotImplementedError(f"Conv auto_pad={a['auto_pad']}")
+    pads = a.get("pads") or [0] * (2 * nd)
+    lo, hi = pads[:nd], pads[nd:]
+    if lo != hi:
+        data = torch.nn.functional.pad(data, [p for pair in zip(reversed(lo), reversed(hi)) for p in pair])
+        lo = [0] * nd
+    f = {1: torch.nn.functional.conv1d, 2: torch.nn.functional.conv2d, 3: torch.nn.functional.conv3d}[nd]
+    return (f(data, w.to(data.dtype), None if bias is None else bias.to(data.dtype),
+              stride=a.get("strides") or 1, padding=lo, dilation=a.get("dilations") or 1, groups=a.get("group", 1)),)
+
+
 def _topk(x, a):
     data, k = x[0], int(_ints(x[1])[0])
     ax = _axis(a.get("axis", -1), data.dim())
@@ -373,7 +400,7 @@ TABLE: dict[str, Callable] = {
     "Slice": _slice, "Split": _split, "Expand": _expand, "Transpose": _transpose, "Range": _range,
     "Constant": _constant, "ConstantOfShape": _constant_of_shape, "Identity": _identity,
     "Gather": _gather, "GatherElements": _gather_elements, "GatherND": _gather_nd, "ScatterND": _scatter_nd,
-    "TopK": _topk, "ArgMax": _argmax, "Trilu": _trilu, "CumSum": _cumsum,
+    "ScatterElements": _scatter_elements, "Conv": _conv, "TopK": _topk, "ArgMax": _argmax, "Trilu": _trilu, "CumSum": _cumsum,
     "ReduceSum": _reduce(lambda d, ax, k: d.sum(dim=ax, keepdim=k)),
     "ReduceMean": _reduce(lambda d, ax, k: d.mean(dim=ax, keepdim=k)),
     "ReduceMax": _reduce(lambda d, ax, k: d.amax(dim=ax, keepdim=k)),

@@ -69,9 +69,7 @@ def _to_torch(arr: np.ndarray, dtype: ir.DataType | None, device: torch.device) 
     if name == "bfloat16":
         t = torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
     elif name.startswith("float8"):
-        t = torch.from_numpy(arr.view(np.uint8)).view(onnx_ops.torch_dtype(dtype))
-    elif arr.dtype == np.bool_:
-        t = torch.from_numpy(arr)
+        t = torch.from_numpy(arr.view(np.uint8)).view(onnx_ops.torch_dtype(dtype or ir.DataType.from_numpy(arr.dtype)))
     else:
         t = torch.from_numpy(arr)
     return t.to(device)

@@ -1,0 +1,219 @@
+"""The cuda backend's executor on CPU tensors (CI has no GPU): lowering, kernels that run on any device, the memory
+plan, in-place caches and numerics against ONNX Runtime and the PyTorch reference. The GPU half is
+tests/backends/test_cuda_gpu.py (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+from kimi_compile.backends.cuda import memory
+from kimi_compile.backends.cuda.program import Program
+from kimi_compile.build import build, trace_options
+from kimi_compile.functions import attach_functions
+from kimi_compile.recipe import load_recipe, parse_recipe, with_overrides
+from kimi_compile.runtime import load
+from kimi_compile.verify import compare, reference_feeds, reference_outputs
+from tests.conftest import ROOT, _cache_copy
+
+PROMPTS = [[5, 17, 3, 99, 250, 7, 12, 40, 41, 8, 300, 2, 77], [9, 8, 7], [400, 1, 2, 3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def k31_pair(tiny_build, tmp_path_factory):
+    """kimi-k3.1-tiny on onnxruntime (the session's tiny_build) and on cuda (same passes: only the backend misses)."""
+    recipe, ort_res, _, _ = tiny_build
+    tmp = tmp_path_factory.mktemp("cuda_k31")
+    cuda = build(with_overrides(recipe, backend="cuda", target="cuda"), tmp / "cuda",
+                 cache=_cache_copy(tiny_build, tmp / "cache"))
+    return ort_res.artifact, cuda.artifact
+
+
+@pytest.fixture(scope="module")
+def k3_pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cuda_k3")
+    from kimi_compile.cache import CompileCache
+
+    cache = CompileCache(root=tmp / "cache")
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3-tiny.yaml"))
+    ort = build(recipe, tmp / "ort", cache=cache)
+    cuda = build(with_overrides(recipe, backend="cuda", target="cuda"), tmp / "cuda", cache=cache)
+    return ort.artifact, cuda.artifact
+
+
+@pytest.mark.parametrize("pair", ["k3_pair", "k31_pair"])
+def test_greedy_tokens_equal_onnxruntime_for_32_steps(pair, request):
+    ort_dir, cuda_dir = request.getfixturevalue(pair)
+    want = load(ort_dir).generate(PROMPTS, 32, stop_at_eos=False)
+    sess = load(cuda_dir)
+    assert sess.backend.device.type == "cpu"
+    assert sess.generate(PROMPTS, 32, stop_at_eos=False) == want
+    # the second request reuses the specialized programs (planned runs, no new specialization at the same shapes)
+    assert sess.generate(PROMPTS, 32, stop_at_eos=False) == want
+
+
+def test_seeded_sampling_matches_onnxruntime(k31_pair):
+    ort_dir, cuda_dir = k31_pair
+    kw = dict(temperature=0.8, seed=11, stop_at_eos=False)
+    assert load(cuda_dir).generate(PROMPTS, 8, **kw) == load(ort_dir).generate(PROMPTS, 8, **kw)
+
+
+def _programs(artifact, device="cpu"):
+    import json
+
+    man = json.loads((artifact / "manifest.json").read_text())
+    out = {}
+    for phase, g in man["graphs"].items():
+        m = ir.load(artifact / g["file"])
+        attach_functions(m)
+        out[phase] = Program(m, device)
+    return out, man
+
+
+def test_logits_and_caches_match_the_reference(k31_pair, tiny_models):
+    """fp32: every output (logits on valid rows, every cache) within 1e-4 of the PyTorch reference, on fresh ragged
+    inputs, in the first (specializing) run and in the planned runs after it."""
+    _, cuda_dir = k31_pair
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny.yaml"))
+    from kimi_compile.build import load_model
+
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as work:
+        model = load_model(recipe, Path(work))
+    opts = trace_options(recipe)
+    progs, _ = _programs(cuda_dir)
+    for seed in (1, 2):
+        feeds = reference_feeds(model, opts, seed=seed)
+        for phase, f in feeds.items():
+            want = reference_outputs(model, opts, phase, f)
+            for _ in range(2):  # specialize, then the planned program
+                got = progs[phase].run({k: torch.from_numpy(v.copy()) for k, v in f.items()})
+                err = compare({k: v.numpy() for k, v in got.items()}, want, f)
+                assert err < 1e-4, (phase, seed, err)
+
+
+def test_caches_are_updated_in_place(k31_pair):
+    """The graph's `<cache>.out` outputs are the input tensors themselves (no per-step copy)."""
+    _, cuda_dir = k31_pair
+    progs, man = _programs(cuda_dir)
+    rng = np.random.default_rng(0)
+    B, MB = 2, 4
+    feeds = {"input_ids": torch.from_numpy(rng.integers(0, 100, (B, 1))), "start": torch.tensor([3, 1]),
+             "lengths": torch.ones(B, dtype=torch.long), "block_table": torch.arange(1, B * MB + 1).view(B, MB)}
+    for c in man["runtime"]["caches"]:
+        shape = [B if d == "batch" else B * MB + 1 if d == "num_blocks" else d for d in c["shape"]]
+        feeds[c["name"]] = torch.zeros(shape)
+    for _ in range(2):
+        out = progs["decode"].run(feeds)
+        for c in man["runtime"]["caches"]:
+            assert out[c["name"] + ".out"] is feeds[c["name"]], c["name"]
+
+
+def _specialized(artifact):
+    progs, man = _programs(artifact)
+    rng = np.random.default_rng(1)
+    B, MB, T = 2, 4, 11
+    feeds = {"input_ids": torch.from_numpy(rng.integers(0, 100, (B, T))), "start": torch.zeros(B, dtype=torch.long),
+             "lengths": torch.tensor([T, 5]), "block_table": torch.arange(1, B * MB + 1).view(B, MB)}
+    for c in man["runtime"]["caches"]:
+        shape = [B if d == "batch" else B * MB + 1 if d == "num_blocks" else d for d in c["shape"]]
+        feeds[c["name"]] = torch.zeros(shape)
+    clone = {k: v.clone() for k, v in feeds.items()}
+    eager = progs["prefill"].run(feeds)
+    spec = next(iter(progs["prefill"]._specs.values()))
+    return spec, clone, eager
+
+
+def test_memory_plan_never_aliases_two_live_buffers(k31_pair):
+    _, cuda_dir = k31_pair
+    spec, feeds, eager = _specialized(cuda_dir)
+    plan = spec.plan
+    plan.validate()
+    assert plan.lower_bound <= plan.peak <= sum(b.size for b in plan.buffers)
+    assert plan.peak < sum(b.size for b in plan.buffers) / 2  # the plan reuses memory
+    planned = spec.run({k: v.clone() for k, v in feeds.items()})
+    for k in eager:
+        assert torch.equal(planned[k], eager[k]), k  # same program, same numbers, bytes shared only when dead
+
+    # a plan that puts two live buffers on the same bytes is caught by validate() ...
+    bufs = sorted(plan.buffers, key=lambda b: b.first)
+    a = next(b for b in bufs if b.last > b.first + 1)
+    b = next(x for x in bufs if a.first < x.first < a.last and x.size <= a.size)
+    bad = memory.MemoryPlan(plan.buffers, {**plan.offsets, b.value: plan.offsets[a.value]}, plan.peak,
+                            plan.lower_bound)
+    with pytest.raises(AssertionError, match="live together"):
+        bad.validate()
+    # ... and running it would change the numbers (what the check protects)
+    shape_b = spec.slots[b.value].shape
+    off, n = plan.offsets[a.value], spec.slots[b.value].numel() * spec.slots[b.value].element_size()
+    spec.slots[b.value] = spec.arena[off:off + n].view(spec.slots[b.value].dtype).view(shape_b)
+    broken = spec.run({k: v.clone() for k, v in feeds.items()})
+    assert any(not torch.equal(broken[k], eager[k]) for k in eager)
+
+
+def test_plan_on_random_lifetimes():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        bufs = []
+        for v in range(int(rng.integers(1, 40))):
+            first = int(rng.integers(0, 30))
+            bufs.append(memory.Buffer(v, memory.aligned(int(rng.integers(1, 5000))), first,
+                                      first + int(rng.integers(0, 10))))
+        p = memory.plan(bufs)
+        p.validate()
+        assert p.lower_bound <= p.peak
+
+
+def test_gpu_coverage_is_in_the_manifest(k31_pair):
+    import json
+
+    _, cuda_dir = k31_pair
+    man = json.loads((cuda_dir / "manifest.json").read_text())
+    cov = man["backend"]["gpu_coverage"]
+    for phase, g in man["graphs"].items():
+        kimi = sum(n for op, n in g["op_histogram"].items() if op.startswith("kimi."))
+        assert len(cov[phase]["nodes"]) == kimi
+        for row in cov[phase]["fallbacks"]:  # every fallback says why
+            assert row["impl"] == "reference" and row["reason"]
+    # the float32 tiny indexer (head dim 32, float pools) is not the Triton kernel's layout: its torch kernel runs
+    idx = [r for r in cov["decode"]["nodes"] if r["op"] == "kimi.IndexerTopK"]
+    assert idx and all(r["impl"] == "kernel:torch.indexer_topk" and "MXFP8" in r["reason"] for r in idx)
+
+
+def test_bfloat16_graph_runs_with_float32_states(tiny_build, tmp_path):
+    """model.dtype bfloat16 + convert_dtype: weights and activations bf16, KDA states and logits float32."""
+    recipe = with_overrides(tiny_build[0], backend="cuda", target="cuda")
+    d = recipe.to_dict()
+    d["model"]["dtype"] = "bfloat16"
+    d["passes"].insert(len(d["passes"]) - 1, {"name": "convert_dtype", "enabled": True, "options": {}})
+    res = build(parse_recipe(d, "bf16"), tmp_path / "bf16", cache=_cache_copy(tiny_build, tmp_path / "cache"))
+    caches = {c["name"]: c["dtype"] for c in res.manifest["runtime"]["caches"]}
+    assert {v for k, v in caches.items() if k.startswith("state.")} == {"float32"}
+    assert {v for k, v in caches.items() if k.startswith(("kv.", "conv."))} == {"bfloat16"}
+    outs = {o["name"]: o["dtype"] for o in res.manifest["graphs"]["decode"]["outputs"]}
+    assert outs["logits"] == "FLOAT"
+    toks = load(res.artifact).generate(PROMPTS, 8, stop_at_eos=False)
+    assert all(len(t) == 8 for t in toks)
+
+
+def test_refusals_name_the_field(tiny_build):
+    from kimi_compile.backends.cuda import options
+
+    with pytest.raises(ValueError, match="batch_buckets"):
+        options({"batch_buckets": [4, 2]})
+    d = dataclasses.replace(tiny_build[0]).to_dict()
+    d["model"]["dtype"] = "bfloat16"
+    from kimi_compile.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="model.dtype: bfloat16 graphs run on backend cuda only"):
+        parse_recipe(d, "x")
+    d["backend"], d["target"] = {"name": "cuda", "options": {}}, "cuda"
+    with pytest.raises(RecipeError, match="needs the convert_dtype pass"):
+        parse_recipe(d, "x")
