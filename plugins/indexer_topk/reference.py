@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MASKED = -1e30  # the score of a slot or position that no query may see (both twins, the ONNX body, the kernels)
+from kimi_compile.onnx_body import MASKED  # the score of a slot or position no query may see (twins, body, kernels)
 
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op

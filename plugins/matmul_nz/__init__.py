@@ -15,7 +15,7 @@ from onnx import TensorProto
 
 from kimi_compile.ops import OpDef, TensorType, register
 
-from . import reference
+from . import body, reference
 from .reference import matmul_nz, nd_to_nz, nz_block, nz_shape, nz_to_nd
 
 __all__ = ["matmul_nz", "nd_to_nz", "nz_block", "nz_shape", "nz_to_nd"]
@@ -58,13 +58,7 @@ def _infer(types: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[Te
     return [TensorType((*x.shape[:-1], n), x.dtype)]
 
 
-def _function():
-    from . import onnx_lowering  # onnxscript loads only when a body is needed
-
-    return onnx_lowering.function_proto()
-
-
 MATMUL_NZ = register(
-    OpDef("MatMulNZ", ("x", "w_nz"), ("y",), dict(_ATTRS), _function, _infer, reference.matmul_nz,
+    OpDef("MatMulNZ", ("x", "w_nz"), ("y",), dict(_ATTRS), body.matmul_nz, _infer, reference.matmul_nz,
           doc="y = x @ W, W [K, N] given in the NZ fractal layout [ceil(N/n0), ceil(K/16)*16, n0]")
 )

@@ -1,7 +1,7 @@
 """Quantization ops: MXFP8 (E8M0 scale per 32) and FP8 E4M3 tile (per 128) quantize / dequantize / fake-quant.
 
 Registers kimi.QuantizeMX, kimi.DequantizeMX, kimi.QDQMX, kimi.QuantizeFP8Tile, kimi.DequantizeFP8Tile and
-kimi.QDQFP8Tile. Semantics and edge cases: reference.py; exact ONNX bodies: onnx_lowering.py.
+kimi.QDQFP8Tile. Semantics, edge cases and the format tables: reference.py; exact ONNX bodies: body.py.
 
 Attributes (validated by shape inference, which names the op and the attribute):
     block: int > 0 (MX, default 32), tile: int > 0 (default 128): the last input dim must be a multiple of it;
@@ -22,7 +22,7 @@ from onnx import TensorProto
 
 from kimi_compile.ops import OpDef, TensorType, register
 
-from . import reference
+from . import body, reference
 from .reference import ELEM_BY_ONNX_TYPE
 
 _FLOAT_INPUTS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -159,32 +159,23 @@ def qdq_fp8_tile_ref(x, *, tile=128, scale_fmt="fp32"):
     return reference.fp8_tile_qdq(x, tile=tile, scale_fmt=scale_fmt).astype(np.asarray(x).dtype)
 
 
-def _fn(name: str):
-    def function():
-        from . import onnx_lowering  # onnxscript loads only when a body is needed
-
-        return onnx_lowering.function_proto(name)
-
-    return function
-
-
 OPS = (
-    OpDef("QuantizeMX", ("x",), ("q", "scale"), dict(_MX_ATTRS), _fn("QuantizeMX"),
+    OpDef("QuantizeMX", ("x",), ("q", "scale"), dict(_MX_ATTRS), body.quantize_mx,
           _infer_quantize("QuantizeMX", _MX_ATTRS, "block"), quantize_mx_ref,
           doc="MX block quantization: FP8 elements + one E8M0 (uint8) scale per block of the last axis"),
-    OpDef("DequantizeMX", ("q", "scale"), ("y",), {"block": 32}, _fn("DequantizeMX"),
+    OpDef("DequantizeMX", ("q", "scale"), ("y",), {"block": 32}, body.dequantize_mx,
           _infer_dequantize("DequantizeMX", {"block": 32}, "block"), dequantize_mx_ref,
           doc="float32(q) * 2^(scale - 127) per block; scale 0xFF -> NaN"),
-    OpDef("QDQMX", ("x",), ("y",), dict(_MX_ATTRS), _fn("QDQMX"),
+    OpDef("QDQMX", ("x",), ("y",), dict(_MX_ATTRS), body.qdq_mx,
           _infer_qdq("QDQMX", _MX_ATTRS, "block"), qdq_mx_ref,
           doc="MX fake quantization (quantize then dequantize), output dtype = input dtype"),
-    OpDef("QuantizeFP8Tile", ("x",), ("q", "scale"), dict(_TILE_ATTRS), _fn("QuantizeFP8Tile"),
+    OpDef("QuantizeFP8Tile", ("x",), ("q", "scale"), dict(_TILE_ATTRS), body.quantize_fp8_tile,
           _infer_quantize("QuantizeFP8Tile", _TILE_ATTRS, "tile"), quantize_fp8_tile_ref,
           doc="FP8 E4M3 per-tile quantization, float32 scale per tile of the last axis"),
-    OpDef("DequantizeFP8Tile", ("q", "scale"), ("y",), {"tile": 128}, _fn("DequantizeFP8Tile"),
+    OpDef("DequantizeFP8Tile", ("q", "scale"), ("y",), {"tile": 128}, body.dequantize_fp8_tile,
           _infer_dequantize("DequantizeFP8Tile", {"tile": 128}, "tile"), dequantize_fp8_tile_ref,
           doc="float32(q) * scale per tile"),
-    OpDef("QDQFP8Tile", ("x",), ("y",), dict(_TILE_ATTRS), _fn("QDQFP8Tile"),
+    OpDef("QDQFP8Tile", ("x",), ("y",), dict(_TILE_ATTRS), body.qdq_fp8_tile,
           _infer_qdq("QDQFP8Tile", _TILE_ATTRS, "tile"), qdq_fp8_tile_ref,
           doc="FP8 tile fake quantization (quantize then dequantize), output dtype = input dtype"),
 )

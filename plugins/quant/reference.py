@@ -4,7 +4,7 @@ the fusion matchers, the other ops' references and bodies) reads its format fact
 
 Inputs may be float16/bfloat16/float32 (upcast exactly) or float64 (rounded to float32 first); all arithmetic is float32.
 These functions are the numerical oracle of the `kimi.QuantizeMX` / `kimi.QuantizeFP8Tile` family: the ONNX lowerings
-in onnx_lowering.py must match them bit for bit. Codes are returned as uint8 arrays holding the raw FP8 / E8M0 bytes.
+in body.py must match them bit for bit. Codes are returned as uint8 arrays holding the raw FP8 / E8M0 bytes.
 
 MXFP8 (OCP MX v1.0): every `block` consecutive elements of the last axis share one E8M0 scale X = 2^e (byte e+127).
 - ``rounding="floor"`` (OCP rule): e = floor(log2(amax)) - emax_elem (emax 8 for E4M3, 15 for E5M2); elements whose

@@ -2,7 +2,7 @@
 
 TensorRT accepts an FP8 tensor only from a Quantize (or plugin, constant, concat, shuffle) layer, and no UINT8
 intermediate tensors (measured with tensorrt_rtx 1.7.1: "Tensor ... has datatype FP8 but is not produced by ...
-IQuantizeLayer", "TensorRT does not support UINT8 types for intermediate tensors"). The bodies in onnx_lowering.py
+IQuantizeLayer", "TensorRT does not support UINT8 types for intermediate tensors"). The bodies in body.py
 use plain Casts, so the inlined body is rewritten:
 
     Cast(x, to=FP8)            -> QuantizeLinear(x, 1.0f, zero_point=FP8 0)      (the body clips to +-max first, so
