@@ -6,10 +6,13 @@ here and never grow a branch per op (DESIGN.md §3, "Ops").
 
 An OpDef carries:
 - the schema: domain ``kimi``, name, version, input/output names, attributes with defaults;
-- ``function``: a zero-argument callable returning the ONNX FunctionProto body (onnxscript, standard ops) that ONNX
-  Runtime inlines; its default-domain opset must equal ``ONNX_OPSET``;
+- ``function``: a zero-argument callable returning the ONNX FunctionProto body (plugins/<op>/body.py, standard ops)
+  that ONNX Runtime inlines; its default-domain opset must equal ``ONNX_OPSET``;
 - ``infer``: shape and dtype inference, ``infer(input_types, attrs) -> [TensorType, ...]``;
-- ``reference``: a numpy or torch reference with the same semantics, for tests and verification.
+- ``reference``: a numpy or torch reference with the same semantics, for tests and verification;
+- ``kind``: who puts the op in a graph, one of KINDS: "fused" (a pass, in place of standard ops: fusions and
+  relayouts; op coverage counts these), "primitive" (the trace: what tracing cannot express, such as paged cache
+  reads and writes), "quant" (the quantize pass: quantize / dequantize / fake-quant).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 DOMAIN = "kimi"
 ONNX_OPSET = 23  # default-domain opset of traced graphs and of every function body
+KINDS = ("fused", "primitive", "quant")
 
 
 class UnknownOpError(KeyError):
@@ -52,6 +56,7 @@ class OpDef:
     domain: str = DOMAIN
     doc: str = ""
     float32_ports: frozenset[str] = frozenset()  # inputs/outputs that stay float32 in a bf16/fp16 graph (states)
+    kind: str = "fused"  # one of KINDS
 
     @property
     def qualified(self) -> str:
@@ -63,6 +68,8 @@ _LOADED = False
 
 
 def register(op: OpDef) -> OpDef:
+    if op.kind not in KINDS:
+        raise ValueError(f"op {op.qualified}: kind must be one of {KINDS}, got {op.kind!r}")
     key = (op.domain, op.name)
     old = _REGISTRY.get(key)
     if old is not None and old is not op and old.version != op.version:

@@ -39,7 +39,8 @@ def _infer2(types, attrs):
 
 STAGE1 = register(OpDef("AttnResStage1", ("bank", "queries"), ("o1", "m1", "l1"), {"eps": 1e-5},
                         function=body.attn_res_stage1, infer=_infer1, reference=reference.attn_res_stage1, doc=__doc__,
-                        float32_ports=frozenset({"m1", "l1"})))
+                        float32_ports=frozenset({"m1", "l1"}), kind="fused"))
 MERGE = register(OpDef("AttnResMerge", ("o1", "m1", "l1", "partial", "query", "norm_weight"), ("out",),
                        {"slot": 0, "eps": 1e-5, "norm_eps": 1e-5}, function=body.attn_res_merge, infer=_infer2,
-                       reference=reference.attn_res_merge, doc=__doc__, float32_ports=frozenset({"m1", "l1"})))
+                       reference=reference.attn_res_merge, doc=__doc__, float32_ports=frozenset({"m1", "l1"}),
+                       kind="fused"))

@@ -35,4 +35,4 @@ def infer(types, attrs):
 
 OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS, {"topk": 2048, "k_format": "float", "block": 32, "elem": "e4m3"},
                     function=function, infer=infer, reference=reference.indexer_topk, doc=__doc__,
-                    float32_ports=frozenset({"scores"})))
+                    float32_ports=frozenset({"scores"}), kind="fused"))

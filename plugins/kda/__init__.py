@@ -37,4 +37,4 @@ def infer(types, attrs):
 
 
 OP = register(OpDef(NAME, INPUTS, OUTPUTS, dict(ATTRS), function=body.kda, infer=infer, reference=reference.kda,
-                    doc=__doc__, float32_ports=frozenset({"state", "new_state"})))
+                    doc=__doc__, float32_ports=frozenset({"state", "new_state"}), kind="fused"))

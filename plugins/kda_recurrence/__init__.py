@@ -24,4 +24,4 @@ def infer(types, attrs):
 
 OP = register(OpDef("KDARecurrence", ("q", "k", "v", "g", "beta", "state"), ("o", "final_state"), {"chunk_size": 0},
                     function=body.kda_recurrence, infer=infer, reference=reference.kda_recurrence, doc=__doc__,
-                    float32_ports=frozenset({"state", "final_state"})))
+                    float32_ports=frozenset({"state", "final_state"}), kind="primitive"))

@@ -60,5 +60,5 @@ def _infer(types: Sequence[TensorType | None], attrs: dict[str, Any]) -> list[Te
 
 MATMUL_NZ = register(
     OpDef("MatMulNZ", ("x", "w_nz"), ("y",), dict(_ATTRS), body.matmul_nz, _infer, reference.matmul_nz,
-          doc="y = x @ W, W [K, N] given in the NZ fractal layout [ceil(N/n0), ceil(K/16)*16, n0]")
+          doc="y = x @ W, W [K, N] given in the NZ fractal layout [ceil(N/n0), ceil(K/16)*16, n0]", kind="fused")
 )

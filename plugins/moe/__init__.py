@@ -32,4 +32,4 @@ def infer(types, attrs):
 
 
 OP = register(OpDef(NAME, INPUTS, OUTPUTS, dict(ATTRS), function=body.moe, infer=infer, reference=reference.moe,
-                    doc=__doc__))
+                    doc=__doc__, kind="fused"))

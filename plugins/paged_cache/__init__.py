@@ -30,6 +30,6 @@ def _gather_infer(types, attrs):
 
 
 WRITE = register(OpDef("PagedWrite", ("pool", "slots", "values"), ("out",), function=body.paged_write,
-                       infer=_write_infer, reference=reference.paged_write, doc=__doc__))
+                       infer=_write_infer, reference=reference.paged_write, doc=__doc__, kind="primitive"))
 GATHER = register(OpDef("PagedGather", ("pool", "block_table"), ("out",), function=body.paged_gather,
-                        infer=_gather_infer, reference=reference.paged_gather, doc=__doc__))
+                        infer=_gather_infer, reference=reference.paged_gather, doc=__doc__, kind="primitive"))

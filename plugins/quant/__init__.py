@@ -162,22 +162,22 @@ def qdq_fp8_tile_ref(x, *, tile=128, scale_fmt="fp32"):
 OPS = (
     OpDef("QuantizeMX", ("x",), ("q", "scale"), dict(_MX_ATTRS), body.quantize_mx,
           _infer_quantize("QuantizeMX", _MX_ATTRS, "block"), quantize_mx_ref,
-          doc="MX block quantization: FP8 elements + one E8M0 (uint8) scale per block of the last axis"),
+          doc="MX block quantization: FP8 elements + one E8M0 (uint8) scale per block of the last axis", kind="quant"),
     OpDef("DequantizeMX", ("q", "scale"), ("y",), {"block": 32}, body.dequantize_mx,
           _infer_dequantize("DequantizeMX", {"block": 32}, "block"), dequantize_mx_ref,
-          doc="float32(q) * 2^(scale - 127) per block; scale 0xFF -> NaN"),
+          doc="float32(q) * 2^(scale - 127) per block; scale 0xFF -> NaN", kind="quant"),
     OpDef("QDQMX", ("x",), ("y",), dict(_MX_ATTRS), body.qdq_mx,
           _infer_qdq("QDQMX", _MX_ATTRS, "block"), qdq_mx_ref,
-          doc="MX fake quantization (quantize then dequantize), output dtype = input dtype"),
+          doc="MX fake quantization (quantize then dequantize), output dtype = input dtype", kind="quant"),
     OpDef("QuantizeFP8Tile", ("x",), ("q", "scale"), dict(_TILE_ATTRS), body.quantize_fp8_tile,
           _infer_quantize("QuantizeFP8Tile", _TILE_ATTRS, "tile"), quantize_fp8_tile_ref,
-          doc="FP8 E4M3 per-tile quantization, float32 scale per tile of the last axis"),
+          doc="FP8 E4M3 per-tile quantization, float32 scale per tile of the last axis", kind="quant"),
     OpDef("DequantizeFP8Tile", ("q", "scale"), ("y",), {"tile": 128}, body.dequantize_fp8_tile,
           _infer_dequantize("DequantizeFP8Tile", {"tile": 128}, "tile"), dequantize_fp8_tile_ref,
-          doc="float32(q) * scale per tile"),
+          doc="float32(q) * scale per tile", kind="quant"),
     OpDef("QDQFP8Tile", ("x",), ("y",), dict(_TILE_ATTRS), body.qdq_fp8_tile,
           _infer_qdq("QDQFP8Tile", _TILE_ATTRS, "tile"), qdq_fp8_tile_ref,
-          doc="FP8 tile fake quantization (quantize then dequantize), output dtype = input dtype"),
+          doc="FP8 tile fake quantization (quantize then dequantize), output dtype = input dtype", kind="quant"),
 )
 
 for _op in OPS:

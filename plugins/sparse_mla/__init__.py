@@ -41,4 +41,4 @@ def infer(types, attrs):
 OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS,
                     {"scale": 1.0, "kv_lora_rank": 512, "kv_format": "float", "rope_format": "float", "elem": "e4m3",
                      "tile": 128, "rope_tile": 128}, function=function, infer=infer,
-                    reference=reference.sparse_mla, doc=__doc__))
+                    reference=reference.sparse_mla, doc=__doc__, kind="fused"))
