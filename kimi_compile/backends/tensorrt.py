@@ -247,6 +247,7 @@ def build(graphs: dict, out_dir: Path, options: dict | None = None) -> dict[str,
         "lowering_table": tl.table_fingerprint(flavour),
         "plugins_required": sorted({x["plugin"] for p in graphs for x in record[p]["lowering"]
                                     if x["kind"] == "plugin"}),
+        "plugins_planned": tl.planned_plugins(flavour),  # declared in the op tables, not implemented yet
         "executed": False,
         "note": (f"engines built ahead of time by {flavour} {trt.__version__}"
                  + (" on a CPU-only machine" if flavour == "tensorrt_rtx" else "")

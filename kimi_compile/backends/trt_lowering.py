@@ -11,7 +11,10 @@ Every op folder may hold a `tensorrt.py` with a table ``TENSORRT = {op_name: {fl
                                     (op_type = plugin name, attrs plugin_namespace="kimi", plugin_version, aot=1 for
                                     the quickly-deployable AOT form). Chosen only when a creator `kimi::<name>` is
                                     registered in this TensorRT's plugin registry; otherwise `otherwise` (a Native
-                                    lowering) is used and the record says why.
+                                    lowering) is used and the record says why. `status` says whether this project
+                                    ships the plugin: "planned" (not implemented: only a creator registered from
+                                    elsewhere can be picked) or "available"; records and the build's
+                                    `plugins_planned` show a planned plugin as "planned (not implemented)".
 
 An op without a `tensorrt.py` entry gets Native with source "default" (new op = new folder; this module never grows
 a branch per op). Recipe option `lowering: {Op: native|plugin}` overrides the table; forcing `plugin` for an op
@@ -56,9 +59,14 @@ class Native:
     kind: str = "native"
 
 
+PLUGIN_STATUSES = ("planned", "available")
+PLANNED = "planned (not implemented)"
+
+
 @dataclasses.dataclass(frozen=True)
 class Plugin:
-    """Keep one node for an IPluginV3 creator `kimi::<name>` (AOT form when `aot`); `otherwise` when unregistered."""
+    """Keep one node for an IPluginV3 creator `kimi::<name>` (AOT form when `aot`); `otherwise` when unregistered.
+    `status` "planned": no implementation ships with this project yet (see the module docstring)."""
 
     name: str
     reason: str
@@ -67,6 +75,15 @@ class Plugin:
     aot: bool = True
     version: int = 1
     kind: str = "plugin"
+    status: str = "planned"
+
+    def __post_init__(self):
+        if self.status not in PLUGIN_STATUSES:
+            raise LoweringError(f"Plugin {self.name}: status must be one of {PLUGIN_STATUSES}, got {self.status!r}")
+
+    @property
+    def shown_status(self) -> str:
+        return PLANNED if self.status == "planned" else self.status
 
 
 Lowering = Native | Plugin
@@ -93,7 +110,7 @@ def lowering_tables() -> dict[str, dict[str, Lowering]]:
 def table_fingerprint(flavour: str) -> dict[str, Any]:
     """What of the lowering tables determines an engine (part of the backend cache key)."""
     def desc(low: Lowering) -> dict[str, Any]:
-        d = {k: v for k, v in dataclasses.asdict(low).items() if k not in ("rewrite", "otherwise")}
+        d = {k: v for k, v in dataclasses.asdict(low).items() if k not in ("rewrite", "otherwise", "status")}
         if isinstance(low, Plugin):
             d["otherwise"] = desc(low.otherwise)
         elif low.rewrite is not None:
@@ -101,6 +118,12 @@ def table_fingerprint(flavour: str) -> dict[str, Any]:
         return d
 
     return {op: desc(per[flavour]) for op, per in sorted(lowering_tables().items()) if flavour in per}
+
+
+def planned_plugins(flavour: str) -> list[str]:
+    """The plugins the tables declare for `flavour` that this project does not implement yet, as shown in records."""
+    return sorted(f"{NAMESPACE}::{low.name} ({low.shown_status})" for per in lowering_tables().values()
+                  if isinstance(low := per.get(flavour), Plugin) and low.status == "planned")
 
 
 def choose(op: str, flavour: str, registry_has: Callable[[str, str, str], bool],
@@ -119,17 +142,18 @@ def choose(op: str, flavour: str, registry_has: Callable[[str, str, str], bool],
                                 f"TensorRT plugin is declared for it ({flavour}); remove the override")
         if not registry_has(low.name, low.plugin_version, NAMESPACE):
             raise LoweringError(f"kimi.{op} (node {node!r}): backend.options.lowering forces plugin "
-                                f"{NAMESPACE}::{low.name} v{low.plugin_version}, which is not registered in "
-                                f"{flavour}'s plugin registry; register it or remove the override")
+                                f"{NAMESPACE}::{low.name} v{low.plugin_version} ({low.shown_status}), which is not "
+                                f"registered in {flavour}'s plugin registry; register it or remove the override")
         source = "recipe backend.options.lowering"
     rec: dict[str, Any] = {"source": source}
     if isinstance(low, Plugin):
+        rec["plugin_status"] = low.shown_status
         if registry_has(low.name, low.plugin_version, NAMESPACE):
             rec.update(kind="plugin", plugin=f"{NAMESPACE}::{low.name}", plugin_version=low.plugin_version,
                        aot=low.aot, reason=low.reason)
             return low, rec
-        rec["fallback_from"] = (f"plugin {NAMESPACE}::{low.name} v{low.plugin_version} is not registered in "
-                                f"{flavour}'s plugin registry")
+        rec["fallback_from"] = (f"plugin {NAMESPACE}::{low.name} v{low.plugin_version} ({low.shown_status}) is not "
+                                f"registered in {flavour}'s plugin registry")
         low = low.otherwise
     rec.update(kind="native", reason=low.reason)
     return low, rec

@@ -2,8 +2,8 @@
 
 tensorrt_rtx: native: paged Gather, Einsum/ReLU/weighted ReduceSum, mask, ITopKLayer. ONNX TopK imports only with
 K < 3840 and sorted=1 (onnx-tensorrt operator table); the lowering refuses a larger topk with the node named.
-tensorrt: a `kimi::IndexerTopK` plugin (fused score + radix top-k that never writes the [B,T,S] scores) when one is
-registered; otherwise the same native network.
+tensorrt: a `kimi::IndexerTopK` plugin (fused score + radix top-k that never writes the [B,T,S] scores), planned (not
+implemented here): used only when a creator is registered; otherwise the same native network.
 """
 
 from __future__ import annotations
@@ -30,5 +30,5 @@ _NATIVE = Native("scores (paged Gather, Einsum, ReLU, weighted ReduceSum), causa
 TENSORRT = {"IndexerTopK": {
     "tensorrt_rtx": _NATIVE,
     "tensorrt": Plugin("IndexerTopK", "fused score + radix top-k (no [B,T,S] score tensor) as a quickly-deployable "
-                       "AOT plugin", otherwise=_NATIVE),
+                       "AOT plugin", otherwise=_NATIVE, status="planned"),
 }}

@@ -5,7 +5,8 @@ tensorrt_rtx: native. The Scan body becomes a TensorRT ILoop (trip limit = T, on
 plugin module (`tensorrt_rtx.plugin` does not import) and its Python network API has no add_plugin_v3, so a kernel
 cannot be embedded ahead of time there.
 tensorrt: a `kimi::KDARecurrence` IPluginV3 in the quickly-deployable AOT form (the chunked kernel of plugins/kda,
-PTX embedded in the engine) when one is registered; until then the same native ILoop.
+PTX embedded in the engine), planned (not implemented here): used only when a creator is registered; until then the
+same native ILoop.
 """
 
 from __future__ import annotations
@@ -18,6 +19,6 @@ TENSORRT = {
     "KDARecurrence": {
         "tensorrt_rtx": _LOOP,
         "tensorrt": Plugin("KDARecurrence", "chunked gated-delta kernel as a quickly-deployable AOT plugin (PTX in "
-                           "the engine, no Python at run time)", otherwise=_LOOP),
+                           "the engine, no Python at run time)", otherwise=_LOOP, status="planned"),
     },
 }

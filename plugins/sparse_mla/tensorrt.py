@@ -2,7 +2,8 @@
 
 tensorrt_rtx: native: GatherND of the selected latent rows, MatMuls, masked Softmax (the ONNX body). TensorRT's
 IAttention layer takes dense or ragged K/V, not an index list, so it does not host this op.
-tensorrt: a `kimi::SparseMLA` plugin (sparse FlashMLA-style kernel) when one is registered; otherwise native.
+tensorrt: a `kimi::SparseMLA` plugin (sparse FlashMLA-style kernel), planned (not implemented here): used only when a
+creator is registered; otherwise native.
 """
 
 from __future__ import annotations
@@ -15,5 +16,5 @@ _NATIVE = Native("gather of the selected latent rows + MatMul/Softmax/MatMul fro
 TENSORRT = {"SparseMLA": {
     "tensorrt_rtx": _NATIVE,
     "tensorrt": Plugin("SparseMLA", "sparse MLA decode/prefill kernel as a quickly-deployable AOT plugin",
-                       otherwise=_NATIVE),
+                       otherwise=_NATIVE, status="planned"),
 }}
