@@ -33,6 +33,7 @@ ORT must run without denormals-are-zero (its default), since 2^-127 and some pro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 from onnx import AttributeProto, FunctionProto, NodeProto, TensorProto, helper
@@ -177,36 +178,30 @@ def _quantize_fp8_tile(x: str, q: str, scale: str, p: str) -> list[NodeProto]:
     ]
 
 
-def quantize_mx() -> FunctionProto:
-    return function("QuantizeMX", ["x"], ["q", "scale"], _quantize_mx("x", "q", "scale", ""),
-                    defaults=_MX_DEFAULTS)
+def _family(quantize: Callable[..., list[NodeProto]], key: str, defaults: dict, names: tuple[str, str, str]):
+    """The three bodies of one format: Quantize(x) -> (q, scale), Dequantize(q, scale) -> y and QDQ(x) -> y
+    (quantize then dequantize, CastLike x)."""
+    q_name, dq_name, qdq_name = names
+
+    def quantize_fn() -> FunctionProto:
+        return function(q_name, ["x"], ["q", "scale"], quantize("x", "q", "scale", ""), defaults=defaults)
+
+    def dequantize_fn() -> FunctionProto:
+        return function(dq_name, ["q", "scale"], ["y"], _dequantize("q", "scale", "y", key, ""),
+                        defaults={key: defaults[key]})
+
+    def qdq_fn() -> FunctionProto:
+        nodes = [*quantize("x", "qx_q", "qx_scale", "qx_"), *_dequantize("qx_q", "qx_scale", "dq_y", key, "dq_"),
+                 helper.make_node("CastLike", ["dq_y", "x"], ["y"])]
+        return function(qdq_name, ["x"], ["y"], nodes, defaults=defaults)
+
+    return quantize_fn, dequantize_fn, qdq_fn
 
 
-def dequantize_mx() -> FunctionProto:
-    return function("DequantizeMX", ["q", "scale"], ["y"], _dequantize("q", "scale", "y", "block", ""),
-                    defaults={"block": 32})
-
-
-def qdq_mx() -> FunctionProto:
-    nodes = [*_quantize_mx("x", "qx_q", "qx_scale", "qx_"), *_dequantize("qx_q", "qx_scale", "dq_y", "block", "dq_"),
-             helper.make_node("CastLike", ["dq_y", "x"], ["y"])]
-    return function("QDQMX", ["x"], ["y"], nodes, defaults=_MX_DEFAULTS)
-
-
-def quantize_fp8_tile() -> FunctionProto:
-    return function("QuantizeFP8Tile", ["x"], ["q", "scale"], _quantize_fp8_tile("x", "q", "scale", ""),
-                    defaults=_TILE_DEFAULTS)
-
-
-def dequantize_fp8_tile() -> FunctionProto:
-    return function("DequantizeFP8Tile", ["q", "scale"], ["y"], _dequantize("q", "scale", "y", "tile", ""),
-                    defaults={"tile": 128})
-
-
-def qdq_fp8_tile() -> FunctionProto:
-    nodes = [*_quantize_fp8_tile("x", "qx_q", "qx_scale", "qx_"),
-             *_dequantize("qx_q", "qx_scale", "dq_y", "tile", "dq_"), helper.make_node("CastLike", ["dq_y", "x"], ["y"])]
-    return function("QDQFP8Tile", ["x"], ["y"], nodes, defaults=_TILE_DEFAULTS)
+quantize_mx, dequantize_mx, qdq_mx = _family(_quantize_mx, "block", _MX_DEFAULTS,
+                                             ("QuantizeMX", "DequantizeMX", "QDQMX"))
+quantize_fp8_tile, dequantize_fp8_tile, qdq_fp8_tile = _family(
+    _quantize_fp8_tile, "tile", _TILE_DEFAULTS, ("QuantizeFP8Tile", "DequantizeFP8Tile", "QDQFP8Tile"))
 
 
 def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_attr: str) -> list[NodeProto]:
