@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import onnx
 import onnx_ir as ir
 
 from kimi_compile import ops
@@ -24,10 +23,7 @@ def attach_functions(model: ir.Model) -> int:
         op = ops.lookup(name)
         if op.function is None:
             raise ops.UnknownOpError(f"op kimi.{name} has no ONNX function body; ONNX Runtime cannot run it")
-        proto = op.function()
-        if not isinstance(proto, onnx.FunctionProto):
-            proto = proto.to_function_proto()
-        fn = ir.serde.deserialize_function(proto)
+        fn = ir.serde.deserialize_function(op.function())
         model.functions[fn.identifier()] = fn
         n += 1
     model.opset_imports.setdefault(ops.DOMAIN, 1)

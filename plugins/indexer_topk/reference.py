@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from kimi_compile.onnx_body import MASKED  # the score of a slot or position no query may see (twins, body, kernels)
+from kimi_compile.plugins.quant.reference import mx_dequantize, mx_dequantize_torch, mx_quantize_torch
 
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op
@@ -34,8 +35,6 @@ def indexer_topk(q, w, index_pool, block_table, start, lengths, topk: int = 2048
     S = block_table.shape[1] * BS
     pool = index_pool
     if k_format == "mxfp8":
-        from kimi_compile.plugins.quant.reference import mx_dequantize
-
         pool = mx_dequantize(index_pool, index_scale_pool, block=block, elem=elem)
     keys = pool[block_table.reshape(-1)].reshape(B, S, D)
     indices = np.full((B, T, topk), -1, dtype=np.int64)
@@ -57,15 +56,11 @@ def indexer_topk(q, w, index_pool, block_table, start, lengths, topk: int = 2048
 def mxfp8_quantize_ref(x, rounding: str = "floor"):
     """x [..., D] (D % 32 == 0), finite -> (codes uint8 [..., D], scales uint8 E8M0 [..., D // 32]): the E4M3 MXFP8
     quantizer of plugins/quant/reference.py (block 32, `rounding` floor | ceil)."""
-    from kimi_compile.plugins.quant.reference import mx_quantize_torch
-
     return mx_quantize_torch(x, block=32, elem="e4m3", rounding=rounding)
 
 
 def mxfp8_dequantize_ref(codes, scales):
     """codes uint8 [..., D], scales uint8 [..., D // 32] -> float64 [..., D] (exact)."""
-    from kimi_compile.plugins.quant.reference import mx_dequantize_torch
-
     return mx_dequantize_torch(codes, scales, block=32, elem="e4m3")
 
 

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kimi_compile.plugins.quant.reference import fp8_tile_dequantize, fp8_tile_quantize_torch, mx_dequantize
+
 if TYPE_CHECKING:
     import torch
 
@@ -32,8 +34,6 @@ D_LATENT, D_PE, ROW_BYTES = 512, 64, 656
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op
 def _dequant(fmt, codes, scale, tile, elem):
-    from kimi_compile.plugins.quant.reference import fp8_tile_dequantize, mx_dequantize
-
     if fmt == "float":
         return np.asarray(codes, dtype=np.float32)
     if fmt == "mxfp8":
@@ -73,8 +73,6 @@ def mla_fp8_quantize_ref(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor
     """c_kv [N, 512], k_pe [N, 64] (finite) -> rows [N, 656] uint8: c_kv by plugins/quant/reference.py's FP8 tile
     quantizer (tile 128, ue8m0: power-of-two float32 scales, exact exponent rule), k_pe as bf16."""
     import torch
-
-    from kimi_compile.plugins.quant.reference import fp8_tile_quantize_torch
 
     N = c_kv.shape[0]
     codes, scale = fp8_tile_quantize_torch(c_kv, tile=128, scale_fmt="ue8m0")
