@@ -1,10 +1,18 @@
-"""Triton quantize kernels that write the paged caches in place (semantics: plugins/quant/reference.py).
+"""Triton kernels that quantize rows and write them into the paged caches in place, in the layouts the quantize pass
+gives the pools (semantics: plugins/quant/reference.py, `mx_quantize`).
 
-- `mxfp8_quantize_to_cache`: x [N, D] -> MXFP8 E4M3 codes [NB, BS, D] u8 + E8M0 scales [NB, BS, D/32] u8 at the flat
-  slots slot_mapping[n] (< 0 = skip). rounding "floor" (OCP, saturating) or "ceil" (DeepSeek ue8m0), the exponent
-  taken exactly from the bits of amax; a block with NaN/Inf stores scale 0xFF and codes 0x7F. The index-K cache.
-- `mla_fp8_quantize_to_cache`: c_kv [N, 512] + k_pe [N, 64] -> the 656-byte FlashMLA row (512 E4M3 codes, 4 fp32
-  ue8m0 tile scales 2^ceil(log2(max(amax, 1e-4) / 448)), 64 bf16) at slot_mapping[n].
+- `mxfp8_quantize_to_cache(x, slot_mapping, codes, scales, rounding)`: the index-K cache (index_k_cache mxfp8,
+  block 32): x [N, D] -> E4M3 codes [NB, BS, D] uint8 and E8M0 scales [NB, BS, D / 32] uint8 at the flat slots
+  slot_mapping[n] (block * BS + row; < 0 = skip). rounding "floor" (OCP, saturating) or "ceil" (no saturation).
+- `mla_fp8_quantize_to_cache(c_kv, k_pe, slot_mapping, kv_codes, kv_scales, kv_rope)`: the latent KV cache
+  (latent_kv_cache fp8_tile, tile 128, scale_fmt ue8m0, latent_rope keep): c_kv [N, 512] -> E4M3 codes
+  [NB, BS, 512] uint8 and one E8M0 byte per 128-element tile [NB, BS, 4] uint8 (rounding "ceil": the scale is the
+  smallest power of two 2^e with amax <= 448 * 2^e), k_pe [N, 64] -> [NB, BS, 64] bf16, at slot_mapping[n].
+  The pools plugins/sparse_mla/triton.py reads.
+Per block of `block` elements: e = the E8M0 exponent of the block's amax, taken exactly from its bits (floor:
+floor(log2 amax) - 8; ceil: + 1 when the mantissa exceeds 1.75), clamped to [-127, 127], -127 for an all-zero
+block; codes = E4M3(clamp(x * 2^-e, +-448)); a block with NaN/Inf stores scale 0xFF and codes 0x7F. Slots < 0 and
+slots not listed are left untouched. History: docs/kernels/quant.md.
 """
 
 from __future__ import annotations
@@ -24,15 +32,17 @@ if triton is not None:
         return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _mx_quant_kernel(X, SLOT, CODES, SCALES, N, stride_x, D: tl.constexpr, BR: tl.constexpr,
-                         CEIL: tl.constexpr):
+    def _mx_quant_kernel(X, SLOT, CODES, SCALES, KPE, ROPE, N, stride_x, stride_p, D: tl.constexpr,
+                         BLOCK: tl.constexpr, BR: tl.constexpr, CEIL: tl.constexpr, PE: tl.constexpr):
+        # BR rows per program: x [BR, D] -> codes [BR, D] and E8M0 scales [BR, D / BLOCK] at the rows' slots; with
+        # PE > 0 also the rows' k_pe [BR, PE] -> bf16 rope pool at the same slots
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rm = rows < N
         slot = tl.load(SLOT + rows, mask=rm, other=-1).to(tl.int64)
         ok = rm & (slot >= 0)
         x = tl.load(X + rows.to(tl.int64)[:, None] * stride_x + tl.arange(0, D)[None, :], mask=ok[:, None],
                     other=0.0).to(tl.float32)
-        xb = tl.reshape(x, [BR, D // 32, 32])
+        xb = tl.reshape(x, [BR, D // BLOCK, BLOCK])
         ax = tl.abs(xb)
         fin = ax < float("inf")  # False for NaN and +-Inf
         amax = tl.max(tl.where(fin, ax, 0.0), 2)
@@ -49,56 +59,42 @@ if triton is not None:
         code = tl.where(bad[:, :, None], 0x7F, code).to(tl.uint8)
         sc = tl.where(bad, 255, e + 127).to(tl.uint8)
         tl.store(CODES + slot[:, None] * D + tl.arange(0, D)[None, :], tl.reshape(code, [BR, D]), mask=ok[:, None])
-        tl.store(SCALES + slot[:, None] * (D // 32) + tl.arange(0, D // 32)[None, :], sc, mask=ok[:, None])
-
-    @triton.jit
-    def _mla_quant_kernel(CKV, KPE, SLOT, C8, C32, C16, N, stride_c, stride_p, BR: tl.constexpr):
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        rm = rows < N
-        slot = tl.load(SLOT + rows, mask=rm, other=-1).to(tl.int64)
-        ok = rm & (slot >= 0)
-        r64 = rows.to(tl.int64)
-        x = tl.load(CKV + r64[:, None] * stride_c + tl.arange(0, 512)[None, :], mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        xb = tl.reshape(x, [BR, 4, 128])
-        ax = tl.abs(xb)
-        fin = ax < float("inf")
-        amax = tl.maximum(tl.max(tl.where(fin, ax, 0.0), 2), 1e-4)
-        bad = tl.min(fin.to(tl.int32), 2) == 0
-        bits = amax.to(tl.int32, bitcast=True)
-        e = ((bits >> 23) & 255) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        v = tl.minimum(tl.maximum(xb * _pow2(-e)[:, :, None], -448.0), 448.0)
-        code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        code = tl.where(bad[:, :, None], 0x7F, code).to(tl.uint8)
-        scale = tl.where(bad, float("nan"), _pow2(e))
-        tl.store(C8 + slot[:, None] * 656 + tl.arange(0, 512)[None, :], tl.reshape(code, [BR, 512]), mask=ok[:, None])
-        tl.store(C32 + slot[:, None] * 164 + 128 + tl.arange(0, 4)[None, :], scale, mask=ok[:, None])
-        pe = tl.load(KPE + r64[:, None] * stride_p + tl.arange(0, 64)[None, :], mask=ok[:, None], other=0.0)
-        tl.store(C16 + slot[:, None] * 328 + 264 + tl.arange(0, 64)[None, :], pe.to(tl.bfloat16), mask=ok[:, None])
+        tl.store(SCALES + slot[:, None] * (D // BLOCK) + tl.arange(0, D // BLOCK)[None, :], sc, mask=ok[:, None])
+        if PE > 0:
+            pe = tl.load(KPE + rows.to(tl.int64)[:, None] * stride_p + tl.arange(0, PE)[None, :], mask=ok[:, None],
+                         other=0.0)
+            tl.store(ROPE + slot[:, None] * PE + tl.arange(0, PE)[None, :], pe.to(tl.bfloat16), mask=ok[:, None])
 
 
-def _need_triton():
-    if triton is None:
-        raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
 
 
 def mxfp8_quantize_to_cache(x: torch.Tensor, slot_mapping: torch.Tensor, codes_cache: torch.Tensor,
-                            scales_cache: torch.Tensor, rounding: str = "floor", br: int = 16) -> None:
-    """x [N, D] (D % 32 == 0, unit last stride) -> codes_cache [NB, BS, D] u8 and scales_cache [NB, BS, D/32] u8,
-    written in place at flat slots slot_mapping [N] (negative = skip)."""
-    _need_triton()
-    if rounding not in ("floor", "ceil"):
-        raise ValueError(f"rounding must be 'floor' or 'ceil', got {rounding!r}")
+                            scales_cache: torch.Tensor, rounding: str = "floor") -> None:
+    """x [N, D] float (D % 32 == 0, unit last stride) -> codes_cache [NB, BS, D] uint8 and scales_cache
+    [NB, BS, D / 32] uint8 (contiguous), written in place at the flat slots slot_mapping [N] (negative = skip)."""
+    if triton is None:
+        raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
+    _need(rounding in ("floor", "ceil"),
+          f"mxfp8_quantize_to_cache: rounding must be 'floor' or 'ceil', got {rounding!r}")
     N, D = x.shape
-    assert x.stride(1) == 1 and D % 32 == 0 and codes_cache.shape[-1] == D and scales_cache.shape[-1] == D // 32
+    _need(x.stride(1) == 1 and D % 32 == 0, f"mxfp8_quantize_to_cache: x must be [N, D] with D % 32 == 0 and unit "
+          f"last stride, got {tuple(x.shape)} strides {x.stride()}")
+    _need(codes_cache.dtype == torch.uint8 and codes_cache.shape[-1] == D and codes_cache.is_contiguous(),
+          f"mxfp8_quantize_to_cache: codes_cache must be a contiguous uint8 [NB, BS, {D}] pool")
+    _need(scales_cache.dtype == torch.uint8 and scales_cache.shape[-1] == D // 32 and scales_cache.is_contiguous(),
+          f"mxfp8_quantize_to_cache: scales_cache must be a contiguous uint8 [NB, BS, {D // 32}] pool")
     if N == 0:
         return
-    _mx_quant_kernel[(triton.cdiv(N, br),)](x, slot_mapping, codes_cache, scales_cache, N, x.stride(0), D=D, BR=br,
-                                            CEIL=rounding == "ceil", num_warps=4)
+    br = 16
+    _mx_quant_kernel[(triton.cdiv(N, br),)](x, slot_mapping, codes_cache, scales_cache, x, x, N, x.stride(0), 0,
+                                            D=D, BLOCK=32, BR=br, CEIL=rounding == "ceil", PE=0, num_warps=4)
 
 
 def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D] u8, scales [..., D/32] u8)."""
+    """x [..., D] -> (codes [..., D] uint8, scales [..., D / 32] uint8)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     n = x2.shape[0]
@@ -109,15 +105,24 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tens
 
 
 def mla_fp8_quantize_to_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
-                              kv_cache: torch.Tensor, br: int = 8) -> None:
-    """c_kv [N, 512], k_pe [N, 64] -> kv_cache [NB, BS, 656] u8 rows at flat slots slot_mapping [N] (negative = skip)."""
-    _need_triton()
+                              kv_codes: torch.Tensor, kv_scales: torch.Tensor, kv_rope: torch.Tensor) -> None:
+    """c_kv [N, 512], k_pe [N, 64] (unit last strides) -> kv_codes [NB, BS, 512] uint8, kv_scales [NB, BS, 4] uint8
+    (E8M0, ceil rule) and kv_rope [NB, BS, 64] bf16 (contiguous pools), written in place at the flat slots
+    slot_mapping [N] (negative = skip)."""
+    if triton is None:
+        raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
     N = c_kv.shape[0]
-    assert c_kv.shape[1] == 512 and k_pe.shape[1] == 64 and kv_cache.shape[-1] == 656 and kv_cache.is_contiguous()
-    assert c_kv.stride(1) == 1 and k_pe.stride(1) == 1
+    _need(c_kv.dim() == 2 and c_kv.shape[1] == 512 and c_kv.stride(1) == 1,
+          f"mla_fp8_quantize_to_cache: c_kv must be [N, 512] with unit last stride, got {tuple(c_kv.shape)}")
+    _need(tuple(k_pe.shape) == (N, 64) and k_pe.stride(1) == 1,
+          f"mla_fp8_quantize_to_cache: k_pe must be [N={N}, 64] with unit last stride, got {tuple(k_pe.shape)}")
+    for name, t, dt, d in (("kv_codes", kv_codes, torch.uint8, 512), ("kv_scales", kv_scales, torch.uint8, 4),
+                           ("kv_rope", kv_rope, torch.bfloat16, 64)):
+        _need(t.dtype == dt and t.shape[-1] == d and t.is_contiguous() and t.shape[:2] == kv_codes.shape[:2],
+              f"mla_fp8_quantize_to_cache: {name} must be a contiguous {dt} [NB, BS, {d}] pool like kv_codes, "
+              f"got {t.dtype} {tuple(t.shape)}")
     if N == 0:
         return
-    flat = kv_cache.view(-1, 656)
-    _mla_quant_kernel[(triton.cdiv(N, br),)](c_kv, k_pe, slot_mapping, flat, flat.view(torch.float32),
-                                             flat.view(torch.bfloat16), N, c_kv.stride(0), k_pe.stride(0), BR=br,
-                                             num_warps=4)
+    br = 8
+    _mx_quant_kernel[(triton.cdiv(N, br),)](c_kv, slot_mapping, kv_codes, kv_scales, k_pe, kv_rope, N, c_kv.stride(0),
+                                            k_pe.stride(0), D=512, BLOCK=128, BR=br, CEIL=True, PE=64, num_warps=4)
