@@ -1,14 +1,17 @@
 """Triton kernels for KDA: the recurrent decode step (state updated in place) and the fused prefill pre/post work
-around fla-core's `chunk_kda` (the chunked WY/UT core; fla is a legitimate dependency of the CUDA backend).
-Semantics: plugins/kda/torch_ref.py.
+around fla-core's `chunk_kda` (the chunked WY/UT core; fla is a dependency of the CUDA backend). Semantics:
+plugins/kda/reference.py (`kda_step_ref`, `kda_prefill_preprocess_ref`, `kda_output_norm_ref`,
+`kda_prefill_fused_ref`).
 
-- `kda_decode_step`: one program per (sequence*head, BV-slice of V); loads the [Dk, BV] fp32 state slice once, does
-  decay, delta correction, rank-1 update and readout in registers, writes the slice back in place. Optional in-kernel
-  L2 norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid.
+- `kda_decode_step`: grid (B*H, V / BV); a program loads its [K, BV] fp32 slice of the state once, applies decay,
+  delta correction, rank-1 update and readout in registers and writes the slice back in place. Optional in-kernel L2
+  norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid. BV = 32 below 1024
+  (sequence, head) pairs, 64 from there.
 - `kda_prefill_preprocess`: one pass over the projection outputs: causal depthwise conv (kernel 4, zero history) +
   SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate, beta sigmoid.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
-- `kda_prefill_fused`: preprocess -> fla chunk_kda -> output norm/gate.
+- `kda_prefill_fused`: preprocess (no gate) -> fla chunk_kda with its in-kernel fp32 safe gate -> output norm/gate.
+History of these kernels (what was tried, what was measured): docs/kernels/kda.md.
 """
 
 from __future__ import annotations
@@ -111,82 +114,110 @@ def _need_triton():
         raise RuntimeError("KDA Triton kernels need triton and a CUDA GPU")
 
 
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def _no_unknown(fn: str, unknown: dict) -> None:
+    if unknown:
+        raise ValueError(f"{fn}: unknown keyword(s) {sorted(unknown)}")
+
+
 def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, *, scale: float = 1.0, out: torch.Tensor | None = None,
                     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                     lower_bound: float = -5.0, use_qk_l2norm: bool = False, use_beta_sigmoid: bool = False,
-                    bv: int | None = None, num_warps: int = 4) -> torch.Tensor:
-    """One KDA step, state [B, H, K, V] fp32 updated IN PLACE. q, k, g [B, H, K] (or [B, 1, H, K]), v [B, H, V],
-    beta [B, H]. With A_log/dt_bias given, g is the raw gate input f and the safe gate is computed in-kernel.
-    bv: V-slice per program (default 32 for small batches, 64 from B*H >= 1024: measured best on the H200).
-    Returns o [B, H, V] (dtype of v)."""
+                    **unknown) -> torch.Tensor:
+    """One gated delta-rule step per (sequence, head): S <- diag(exp(g)) S; S <- S + beta k (v - S^T k)^T;
+    o = S^T (scale q).
+
+    state [B, H, K, V] float32, contiguous: updated IN PLACE (the caller's tensor holds the new state).
+    q, k, g [B, H, K] (or [B, 1, H, K]), v [B, H, V], beta [B, H]: any float dtype, computed in fp32.
+    With A_log [H] and dt_bias [H*K] given, g is the raw gate input f and the safe gate
+    lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) is computed in the kernel; use_qk_l2norm normalises q and k
+    (eps 1e-6 inside the root) before q is scaled; use_beta_sigmoid applies sigmoid to beta.
+    Returns o [B, H, V] in v's dtype (written into `out` when given: [B, H, V], contiguous)."""
     _need_triton()
+    _no_unknown("kda_decode_step", unknown)
+    _need(state.dim() == 4 and state.dtype == torch.float32 and state.is_contiguous(),
+          f"kda_decode_step: state must be a contiguous float32 [B, H, K, V] tensor, got {state.dtype} "
+          f"{tuple(state.shape)}")
     B, H, DK, DV = state.shape
-    if bv is None:
-        bv = 64 if B * H >= 1024 else 32
-    assert state.dtype == torch.float32 and state.is_contiguous()
+    bv = 64 if B * H >= 1024 else 32
+    _need(DV % bv == 0 and DK & (DK - 1) == 0, f"kda_decode_step: K must be a power of two and V a multiple of {bv}, "
+          f"got state {tuple(state.shape)}")
     q, k, g, v = (x.reshape(B, H, -1).contiguous() for x in (q, k, g, v))
+    _need(q.shape[-1] == DK and k.shape[-1] == DK and g.shape[-1] == DK and v.shape[-1] == DV,
+          f"kda_decode_step: q, k, g must be [B, H, {DK}] and v [B, H, {DV}]")
     beta = beta.reshape(B, H).contiguous()
     if out is None:
         out = torch.empty(B, H, DV, dtype=v.dtype, device=v.device)
+    _need(tuple(out.shape) == (B, H, DV) and out.is_contiguous(),
+          f"kda_decode_step: out must be a contiguous [B, H, V] = {(B, H, DV)} tensor, got {tuple(out.shape)}")
     gate = A_log is not None
+    _need(gate == (dt_bias is not None), "kda_decode_step: A_log and dt_bias come together (in-kernel safe gate)")
     _kda_decode_kernel[(B * H, DV // bv)](q, k, v, g, beta, state, out, A_log if gate else g,
                                           dt_bias if gate else g, scale, lower_bound, H=H, DK=DK, DV=DV, BV=bv,
                                           L2NORM=use_qk_l2norm, GATE=gate, BETA_SIGMOID=use_beta_sigmoid,
-                                          num_warps=num_warps)
+                                          num_warps=4)
     return out
 
 
 def kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound: float = -5.0,
-                           scale: float | None = None, bt: int = 32, num_warps: int = 4, write_g: bool = True):
-    """Projection outputs x* [B, T, H*D] (rows may be strided, e.g. views of one qkv tensor), conv weights w* [H*D, 4],
-    f [B, T, H*D], b [B, T, H] -> q, k, v [B, T, H, D] bf16, g [B, T, H, D] fp32 (None if not write_g: the gate is
-    then left to fla's in-kernel gate), beta [B, T, H] fp32."""
+                           scale: float | None = None, write_g: bool = True):
+    """Projection outputs x* [B, T, H*D] (rows may be strided, e.g. views of one qkv tensor; unit last stride),
+    depthwise conv weights w* [H*D, 4], raw gate input f [B, T, H*D], raw beta b [B, T, H], A_log [H],
+    dt_bias [H*D] -> q, k, v [B, T, H, D] bf16 (conv + SiLU; q and k L2-normalised, q times scale, default D^-0.5),
+    g [B, T, H, D] fp32 (the safe gate; None when not write_g, the gate is then left to fla's kernel),
+    beta [B, T, H] fp32 (sigmoid). New tensors; the inputs are not modified."""
     _need_triton()
     B, T, H = b.shape
     D = xq.shape[-1] // H
     scale = D ** -0.5 if scale is None else scale
-    for x in (xq, xk, xv, f, b):
-        assert x.stride(-1) == 1 and x.stride(0) == T * x.stride(1), "inputs must be row-strided [B, T, C]"
+    for name, x in (("xq", xq), ("xk", xk), ("xv", xv), ("f", f), ("b", b)):
+        _need(x.stride(-1) == 1 and x.stride(0) == T * x.stride(1),
+              f"kda_prefill_preprocess: {name} must be row-strided [B, T, C] with unit last stride")
     dev = xq.device
     oq = torch.empty(B, T, H, D, dtype=torch.bfloat16, device=dev)
     ok, ov = torch.empty_like(oq), torch.empty_like(oq)
     og = torch.empty(B, T, H, D, dtype=torch.float32, device=dev) if write_g else oq
     ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
+    bt = 32
     grid = (B, triton.cdiv(T, bt), H)
     _kda_pre_kernel[grid](xq, xk, xv, wq.contiguous(), wk.contiguous(), wv.contiguous(), f, b, A_log, dt_bias,
                           oq, ok, ov, og, ob, T, xq.stride(1), xk.stride(1), xv.stride(1), f.stride(1), b.stride(1),
-                          scale, lower_bound, H=H, D=D, BT=bt, WRITE_G=write_g, num_warps=num_warps)
+                          scale, lower_bound, H=H, D=D, BT=bt, WRITE_G=write_g, num_warps=4)
     return oq, ok, ov, (og if write_g else None), ob
 
 
-def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfloat16, br: int = 16):
-    """o [B, T, H, D], gate [B, T, H*D] contiguous -> RMSNorm_D(o) * weight * sigmoid(gate) as [B, T, H*D]."""
+def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfloat16):
+    """o [B, T, H, D], gate [B, T, H*D], weight [D] -> RMSNorm_D(o) * weight * sigmoid(gate) as a new
+    [B, T, H*D] tensor of out_dtype (computed in fp32)."""
     _need_triton()
     B, T, H, D = o.shape
     o, gate = o.contiguous(), gate.contiguous()
     out = torch.empty(B, T, H * D, dtype=out_dtype, device=o.device)
     n = B * T * H
+    br = 16
     _kda_post_kernel[(triton.cdiv(n, br),)](o, gate, weight, out, n, eps, H=H, D=D, BR=br, num_warps=4)
     return out
 
 
 def kda_prefill_fused(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, o_weight, *, lower_bound: float = -5.0,
                       scale: float | None = None, eps: float = 1e-5, initial_state=None,
-                      output_final_state: bool = True, gate_in_fla: bool = True):
-    """Full KDA prefill core: our fused pre-kernel -> fla-core chunk_kda (chunk 64) -> our fused norm/gate kernel.
-    gate_in_fla: leave the safe gate to chunk_kda's fp32 in-kernel gate+cumsum (saves writing g in fp32) instead of
-    computing it in the pre-kernel. Returns (out [B, T, H*D] bf16, final_state [B, H, K, V] fp32 or None)."""
+                      output_final_state: bool = True, **unknown):
+    """KDA prefill core: `kda_prefill_preprocess` (conv, SiLU, L2 norms, beta; no gate) -> fla-core chunk_kda
+    (chunk 64, its in-kernel fp32 safe gate from f, A_log, dt_bias) -> `kda_output_norm_gate`. Shapes as in
+    `kda_prefill_preprocess`; gate [B, T, H*D], o_weight [D], initial_state [B, H, K, V] fp32 or None (not
+    modified). Returns (out [B, T, H*D] bf16, final_state [B, H, K, V] fp32, a new tensor, or None)."""
+    _no_unknown("kda_prefill_fused", unknown)
     from fla.ops.kda import chunk_kda
 
-    q, k, v, g, beta = kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound, scale,
-                                              write_g=not gate_in_fla)
-    if gate_in_fla:
-        B, T, H = b.shape
-        o, st = chunk_kda(q, k, v, f.reshape(B, T, H, -1), beta, scale=1.0, initial_state=initial_state,
-                          output_final_state=output_final_state, use_gate_in_kernel=True, safe_gate=True,
-                          lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
-    else:
-        o, st = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=initial_state,
-                          output_final_state=output_final_state)
+    q, k, v, _, beta = kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound, scale,
+                                              write_g=False)
+    B, T, H = b.shape
+    o, st = chunk_kda(q, k, v, f.reshape(B, T, H, -1), beta, scale=1.0, initial_state=initial_state,
+                      output_final_state=output_final_state, use_gate_in_kernel=True, safe_gate=True,
+                      lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
     return kda_output_norm_gate(o, gate, o_weight, eps), st

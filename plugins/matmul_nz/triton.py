@@ -2,7 +2,10 @@
 relayout at run time). Semantics: plugins/matmul_nz/reference.py (`matmul_nz`).
 
 W [K, N] -> NZ [N1, K', n0] (n0 = 16 for 16-bit types): element (k, n) at [n // n0, k, n % n0], so each program's
-[BK, BN] weight tile is BN / n0 fractal columns, each a contiguous run of BK * n0 elements.
+[BK, BN] weight tile is BN / n0 fractal columns, each a contiguous run of BK * n0 elements. Grid: one program per
+[BM, BN] output tile, grouped by GROUP row tiles for L2 reuse; fp32 accumulation over K in steps of BK, output in
+x's dtype. Tiles by the number of rows M (`tiles`): decode-sized M <= 64 and prefill-sized M > 64.
+History (what was measured): docs/kernels/matmul_nz.md.
 """
 
 from __future__ import annotations
@@ -46,21 +49,36 @@ if triton is not None:
                  mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def matmul_nz(x: torch.Tensor, w_nz: torch.Tensor, K: int, N: int, *, bm: int = 64, bn: int = 128, bk: int = 64,
-              num_warps: int = 4, num_stages: int = 3, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (unit last stride) @ W [K, N] given as w_nz = nd_to_nz(W) [N1, K', n0] -> [..., N]."""
+_DECODE = dict(bm=16, bn=128, bk=128, num_warps=4, num_stages=4)  # M <= 64
+_PREFILL = dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)  # M > 64
+
+
+def tiles(M: int) -> dict:
+    """The tile configuration for M rows (decode-sized or prefill-sized)."""
+    return _DECODE if M <= 64 else _PREFILL
+
+
+def matmul_nz(x: torch.Tensor, w_nz: torch.Tensor, K: int, N: int, *, out: torch.Tensor | None = None,
+              **unknown) -> torch.Tensor:
+    """x [..., K] (unit last stride, else copied) @ W [K, N] given as w_nz = nd_to_nz(W) [N1, K', n0] (K' >= K,
+    N1 * n0 >= N; rows past K and columns past N are ignored) -> [..., N] in x's dtype. out: optional [M, N]
+    (M = rows of x) with unit last stride, written in place."""
+    if unknown:
+        raise ValueError(f"matmul_nz: unknown keyword(s) {sorted(unknown)} (known: out)")
     if triton is None:
         raise RuntimeError("matmul_nz needs triton and a CUDA GPU")
     N1, KP, N0 = w_nz.shape
-    if KP < K or N1 * N0 < N or bn % N0:
-        raise ValueError(f"w_nz shape {tuple(w_nz.shape)} does not hold a [{K}, {N}] weight (or bn % n0 != 0)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    cfg = tiles(M)
+    if KP < K or N1 * N0 < N or cfg["bn"] % N0:
+        raise ValueError(f"matmul_nz: w_nz shape {tuple(w_nz.shape)} does not hold a [{K}, {N}] weight in "
+                         f"{cfg['bn']}-column tiles")
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    M = x2.shape[0]
     y = out if out is not None else torch.empty(M, N, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _matmul_nz_kernel[grid](x2, w_nz, y, M, N, K, KP, x2.stride(0), y.stride(0), N0=N0, BM=bm, BN=bn, BK=bk,
-                            GROUP=8, num_warps=num_warps, num_stages=num_stages)
+    grid = (triton.cdiv(M, cfg["bm"]) * triton.cdiv(N, cfg["bn"]),)
+    _matmul_nz_kernel[grid](x2, w_nz, y, M, N, K, KP, x2.stride(0), y.stride(0), N0=N0, BM=cfg["bm"], BN=cfg["bn"],
+                            BK=cfg["bk"], GROUP=8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y.reshape(*lead, N)
