@@ -2,7 +2,8 @@
 
     python bench/build_cache.py [--recipe recipes/kimi-k3.1-tiny.yaml] [--reps 3]
 
-Writes bench/results/build_cache_<date>.json (device, versions, command, medians, ratio, per-stage cache hits).
+Writes bench/results/build_cache_<date>.json (the commit measured, device, versions, command, medians, ratio,
+per-stage cache hits; bench/run_info.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    from run_info import commit
+
     from kimi_compile.build import versions
 
     rows = {}
@@ -61,7 +65,7 @@ def main() -> None:
     }
     result = {
         "benchmark": "build_cache", "date": datetime.date.today().isoformat(),
-        "command": " ".join([sys.executable, *sys.argv]), "recipe": a.recipe,
+        "command": " ".join([sys.executable, *sys.argv]), **commit(), "recipe": a.recipe,
         "device": {"machine": platform.machine(), "processor": platform.processor() or "unknown",
                    "cpus": os.cpu_count()},
         "versions": versions(), "results": rows,

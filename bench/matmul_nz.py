@@ -1,9 +1,11 @@
 """MatMulNZ (NZ-blocked weight, read block by block) vs torch.matmul on the plain weight, bf16, on a GPU.
 
-    python bench/matmul_nz.py [--out FILE]
+    KIMI_COMMIT=$(git rev-parse HEAD) python bench/matmul_nz.py [--out FILE]
 
-Shapes are the K3.1 projections at decode (M=1..64) and prefill (M=4096). Medians of CUDA-event timings with L2
-flushed; JSON with device, versions and command.
+Shapes are the K3.1 projections at decode (M=1..64) and prefill (M=4096). The kernel picks its tiles by M
+(plugins/matmul_nz/triton.py `tiles`); each row records them. Medians of CUDA-event timings with L2 flushed, both
+sides launched directly (no CUDA graph); JSON with the commit measured, device, versions and command
+(bench/run_info.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"matmul_nz_{datetime.date.today()}.json"))
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    import triton
+    sys.path.insert(0, str(ROOT / "bench"))
+    from run_info import run_info
 
     from kimi_compile.plugins.matmul_nz import triton as tnz
     from kimi_compile.plugins.matmul_nz.reference import nd_to_nz_torch
@@ -44,12 +47,11 @@ def main():
             x = torch.randn(M, K, device="cuda").bfloat16()
             w = (torch.randn(K, N, device="cuda") / K**0.5).bfloat16()
             w_nz = nd_to_nz_torch(w).contiguous()
-            cfg = dict(bm=16, bn=128, bk=128, num_warps=4, num_stages=4) if M <= 64 else \
-                dict(bm=128, bn=128, bk=64, num_warps=8, num_stages=3)
-            y = tnz.matmul_nz(x, w_nz, K, N, **cfg)
+            cfg = tnz.tiles(M)
+            y = tnz.matmul_nz(x, w_nz, K, N)
             ref = x.float() @ w.float()
             err = float((y.float() - ref).norm() / ref.norm())
-            t_nz = timeit(lambda: tnz.matmul_nz(x, w_nz, K, N, **cfg))
+            t_nz = timeit(lambda: tnz.matmul_nz(x, w_nz, K, N))
             t_mm = timeit(lambda: x @ w)
             byts = (M * K + K * N + M * N) * 2
             rows.append({"shape": name, "M": M, "K": K, "N": N, "rel_err": err, "nz_us": round(t_nz, 2),
@@ -57,9 +59,8 @@ def main():
                          "nz_GBps": round(byts / t_nz / 1e3, 1), "nz_TFLOPs": round(2 * M * K * N / t_nz / 1e6, 1),
                          "config": cfg})
             print(rows[-1], flush=True)
-    res = {"benchmark": "matmul_nz", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "cuda": torch.version.cuda, "command": " ".join(sys.argv),
-           "note": "median of 50 CUDA-event timings, 256 MB L2 flush before each", "rows": rows}
+    res = {"benchmark": "matmul_nz", **run_info("torch", "triton"),
+           "note": "median of 50 CUDA-event timings, 256 MB L2 flush before each; direct launches", "rows": rows}
     tmp = Path(a.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=2) + "\n")
     tmp.replace(a.out)  # never a half-written result

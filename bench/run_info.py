@@ -1,0 +1,65 @@
+"""What every benchmark result records about its run: the command, the date, the git commit measured (and whether
+the tree had uncommitted changes), the device and the library versions.
+
+`git` needs the repository. Where the tree was copied without it (a lent GPU machine), pass the commit in the
+environment: `KIMI_COMMIT=$(git rev-parse HEAD) python bench/...`; the result then says where the commit came from.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def commit() -> dict:
+    """{"commit": sha, "dirty": bool | None, "commit_from": "git" | "KIMI_COMMIT" | "unknown"}."""
+    sha = _git("rev-parse", "HEAD")
+    if sha:
+        return {"commit": sha, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+                "commit_from": "git"}
+    env = os.environ.get("KIMI_COMMIT")
+    return {"commit": env or "unknown", "dirty": None, "commit_from": "KIMI_COMMIT" if env else "unknown"}
+
+
+def versions(*names: str) -> dict:
+    out = {"python": platform.python_version()}
+    for n in names:
+        try:
+            out[n] = version(n)
+        except PackageNotFoundError:
+            out[n] = None
+    return out
+
+
+def device() -> dict:
+    """The GPU (name, SM count, CUDA) when torch sees one, else the CPU."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            return {"name": p.name, "sms": p.multi_processor_count, "cuda": torch.version.cuda}
+    except ImportError:
+        pass
+    return {"name": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+
+
+def run_info(*packages: str) -> dict:
+    """The record every result starts with; `packages` are the distributions whose versions matter."""
+    return {"command": " ".join([sys.executable, *sys.argv]), "date": datetime.datetime.now().isoformat(),
+            **commit(), "device": device(), "versions": versions(*packages)}
