@@ -6,7 +6,7 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_prefill_preprocess_ref`, `kda_out
 - `kda_decode_step`: grid (B*H, V / BV); a program loads its [K, BV] fp32 slice of the state once, applies decay,
   delta correction, rank-1 update and readout in registers and writes the slice back in place. Optional in-kernel L2
   norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid. BV = 32 below 1024
-  (sequence, head) pairs, 64 from there.
+  (sequence, head) pairs, 64 from there (at most V).
 - `kda_prefill_preprocess`: one pass over the projection outputs: causal depthwise conv (kernel 4, zero history) +
   SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate, beta sigmoid.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
@@ -144,9 +144,9 @@ def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
           f"kda_decode_step: state must be a contiguous float32 [B, H, K, V] tensor, got {state.dtype} "
           f"{tuple(state.shape)}")
     B, H, DK, DV = state.shape
-    bv = 64 if B * H >= 1024 else 32
-    _need(DV % bv == 0 and DK & (DK - 1) == 0, f"kda_decode_step: K must be a power of two and V a multiple of {bv}, "
-          f"got state {tuple(state.shape)}")
+    _need(DK & (DK - 1) == 0 and DV & (DV - 1) == 0 and DV >= 16,
+          f"kda_decode_step: K and V must be powers of two (V >= 16), got state {tuple(state.shape)}")
+    bv = min(64 if B * H >= 1024 else 32, DV)
     q, k, g, v = (x.reshape(B, H, -1).contiguous() for x in (q, k, g, v))
     _need(q.shape[-1] == DK and k.shape[-1] == DK and g.shape[-1] == DK and v.shape[-1] == DV,
           f"kda_decode_step: q, k, g must be [B, H, {DK}] and v [B, H, {DV}]")
