@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kimi_compile import __version__, ops
+from kimi_compile import __version__, graph_io, ops
 from kimi_compile.artifact import ArtifactWriter
 from kimi_compile.cache import CompileCache, cache_key
 from kimi_compile.coverage import coverage
@@ -172,8 +172,6 @@ def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: C
 
 def _trace_stage(src: ModelSource, opts: TraceOptions, cache: CompileCache, say) -> tuple[dict, str, bool]:
     """The traced prefill and decode graphs (functions attached), their cache key and whether the cache hit."""
-    import onnx_ir as ir
-
     vers = versions()
     key = cache_key(stage="trace", config=src.config.to_dict(), weights=src.fingerprint,
                     options=dataclasses.asdict(opts), torch=vers["torch"], onnx=vers["onnx"],
@@ -183,11 +181,10 @@ def _trace_stage(src: ModelSource, opts: TraceOptions, cache: CompileCache, say)
         from kimi_compile.trace import trace
 
         say("tracing prefill and decode graphs")
-        for phase, m in trace(src.model(), opts).items():
-            ir.save(m, d / f"{phase}.onnx", external_data=f"{phase}.data")
+        graph_io.save(trace(src.model(), opts), d)  # one copy of the weights for both phases
 
     entry, hit = cache.get_or_create("trace", key, produce)
-    graphs = {p: ir.load(entry / f"{p}.onnx") for p in PHASES}
+    graphs = {p: graph_io.load(entry, p) for p in PHASES}
     for m in graphs.values():
         attach_functions(m)
     return graphs, key, hit
@@ -196,7 +193,8 @@ def _trace_stage(src: ModelSource, opts: TraceOptions, cache: CompileCache, say)
 def _backend_stage(backend, recipe: Recipe, result, cache: CompileCache, say) -> tuple[Path, dict, bool]:
     key = cache_key(stage="backend", graphs=result.keys, backend=recipe.backend.name, version=backend.version(),
                     build_version=backend.BUILD_VERSION, options=recipe.backend.options, target=recipe.target,
-                    export=dataclasses.asdict(recipe.export))
+                    export=dataclasses.asdict(recipe.export),
+                    tables=getattr(backend, "tables_fingerprint", lambda: "")())
 
     def produce(d: Path) -> None:
         say(f"backend {recipe.backend.name}: lowering")

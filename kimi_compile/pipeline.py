@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import onnx
 import onnx_ir as ir
 
-from kimi_compile import ops
+from kimi_compile import graph_io, ops
 from kimi_compile.functions import attach_functions
 from kimi_compile.recipe import Recipe, RecipeError, coerce_options
 
@@ -131,8 +131,19 @@ def verify_model(model: ir.Model, where: str) -> None:
                     raise VerifyError(f"{where}: {e}") from None
                 if (ops.DOMAIN, node.op_type, node.overload) not in model.functions:
                     raise VerifyError(f"{where}: node {node.name!r} ({ops.DOMAIN}.{node.op_type}) has no function body")
-    proto = ir.to_proto(model)
-    # weights in external files the checker cannot see from here are checked as typed graph inputs instead
+    # large in-memory weights are not copied into the proto (a multi-GB model would pass protobuf's 2 GiB limit):
+    # they stand in as external references, checked below as typed graph inputs like weights in external files
+    stubs = {}
+    for name, v in model.graph.initializers.items():
+        t = v.const_value
+        if t is not None and not isinstance(t, ir.ExternalTensor) and t.nbytes > (1 << 20):
+            stubs[name] = t
+            v.const_value = ir.ExternalTensor("stub", 0, t.nbytes, t.dtype, shape=t.shape, name=name)
+    try:
+        proto = ir.to_proto(model)
+    finally:
+        for name, t in stubs.items():
+            model.graph.initializers[name].const_value = t
     external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
     for t in external:
         proto.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
@@ -204,13 +215,13 @@ def run(graphs: dict[str, ir.Model], passes: list[KimiPass], *, cache=None, keys
             else:
                 def produce(d: Path, m=m, p=p) -> None:
                     r = _run_one(m, p, phase, say)
-                    ir.save(m, d / "graph.onnx", external_data="graph.data")
+                    graph_io.save({"graph": m}, d, share_root=cache.root)  # unchanged weights stay where they are
                     (d / "record.json").write_text(json.dumps(r.to_dict()))
 
                 entry, hit = cache.get_or_create("pass", key, produce)
                 out.cache_hits.append(hit)
                 rec = PassRecord(**{**json.loads((entry / "record.json").read_text()), "cached": hit})
-                m = ir.load(entry / "graph.onnx")
+                m = graph_io.load(entry, "graph")
                 attach_functions(m)
             if p.changes_signature and rec.modified and phase not in out.rebased:
                 out.rebased[phase] = m.clone()

@@ -47,27 +47,53 @@ def indexer_topk_torch(x, a):
             torch.where(ok, vals, torch.full_like(vals, MASKED)))
 
 
+def _dim(v, i: int) -> int | None:
+    """A static dim of a graph value, None when not known at build time (the kernel then checks at run time)."""
+    if v is None or v.shape is None:
+        return None
+    d = v.shape[i]
+    return d if isinstance(d, int) else None
+
+
 def _triton_supports(values, attrs) -> str | None:
     from kimi_compile.plugins.indexer_topk import triton as tk
 
     q, pool = values[0], values[2]
     if attrs.get("k_format") != "mxfp8" or attrs.get("elem", "e4m3") != "e4m3" or attrs.get("block") != 32:
         return "the Triton indexer reads MXFP8 E4M3 index-K pools with 32-element blocks"
-    if not isinstance(q.shape[-1], int) or q.shape[-1] != 128:
-        return f"the Triton indexer needs index_head_dim 128, got {q.shape[-1]}"
-    if not isinstance(pool.shape[1], int) or pool.shape[1] not in (16, 32, 64, 128, 256):
-        return f"the Triton indexer needs a power-of-two page of 16..256 tokens, got {pool.shape[1]}"
+    d = _dim(q, -1) or _dim(pool, -1)
+    if d is not None and d != 128:
+        return f"the Triton indexer needs index_head_dim 128, got {d}"
+    bs = _dim(pool, 1)
+    if bs is not None and bs not in (16, 32, 64, 128, 256):
+        return f"the Triton indexer needs a power-of-two page of 16..256 tokens, got {bs}"
     if getattr(tk, "triton", None) is None:
         return "triton is not installed"
     return None
 
 
 def indexer_topk_triton(x, a):
-    from kimi_compile.plugins.indexer_topk.triton import indexer_topk
+    from kimi_compile.plugins.indexer_topk import triton as tk
 
     q, w, pool, bt, start, lengths, scale_pool = x
     codes = pool.view(torch.uint8) if pool.dtype != torch.uint8 else pool
-    return indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
+    why = tk.unsupported(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
+    if why is not None:  # a shape the build could not see: say so once, run the fallback kernel
+        _warn_once(why)
+        return indexer_topk_torch(x, a)
+    return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    import logging
+
+    if why not in _WARNED:
+        _WARNED.add(why)
+        logging.getLogger(__name__).warning("kimi.IndexerTopK: the Triton kernel does not apply (%s); running "
+                                            "torch.indexer_topk", why)
 
 
 CUDA = {

@@ -12,6 +12,8 @@ import torch
 
 from kimi_compile.ops import Kernel
 
+HEAD_BLOCK = 64  # the Triton kernel's heads per program
+
 
 def _rows(pool: torch.Tensor, bt: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Rows [B, T, k, D] of a paged pool at sequence positions idx [B, T, k] (-1 -> row 0 of the null block)."""
@@ -57,7 +59,8 @@ def _triton_supports(values, attrs) -> str | None:
 
     if attrs.get("kv_format") != "mxfp8" or attrs.get("tile") != 128 or attrs.get("rope_format") != "float":
         return "the Triton kernel reads E4M3 codes with one E8M0 scale per 128 values and a bf16 RoPE pool"
-    if attrs.get("kv_lora_rank") != 512 or values[1].shape is None or values[1].shape[-1] != 64:
+    dr = values[1].shape[-1] if values[1] is not None and values[1].shape is not None else None
+    if attrs.get("kv_lora_rank") != 512 or (isinstance(dr, int) and dr != 64):
         return "the Triton kernel is built for kv_lora_rank 512 and 64 RoPE dims"
     if values[8] is None or values[8].dtype is None or values[8].dtype.name != "BFLOAT16":
         return "the Triton kernel reads the RoPE pool in bf16"
@@ -73,7 +76,10 @@ def sparse_mla_triton(x, a):
     B, T, H, _ = q_nope.shape
     q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk.to(q_nope.dtype))
     q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], -1).to(torch.bfloat16)
-    o_lat = sparse_mla(q, codes.view(torch.uint8), scales, rope, bt, idx, a["scale"])
+    Hp = -(-H // HEAD_BLOCK) * HEAD_BLOCK  # the kernel works on blocks of 64 heads: pad (the KV bytes read are
+    if Hp != H:                             # the same; the padded heads' scores are discarded)
+        q = torch.cat([q, q.new_zeros(B, T, Hp - H, q.shape[-1])], 2)
+    o_lat = sparse_mla(q, codes.view(torch.uint8), scales, rope, bt, idx, float(a["scale"]))[:, :, :H]
     return (torch.einsum("bthr,hvr->bthv", o_lat.to(q_nope.dtype), w_uv.to(q_nope.dtype)),)
 
 

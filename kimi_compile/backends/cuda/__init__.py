@@ -49,6 +49,21 @@ def version() -> str:
     return dist_version("torch")
 
 
+def tables_fingerprint() -> str:
+    """What the kernel tables offer (op -> kernel chain): part of the backend stage's cache key, since the build
+    records the GPU coverage they give."""
+    from kimi_compile import ops
+
+    chains = []
+    for op, k in sorted(ops.kernels("CUDA").items()):
+        names = []
+        while k is not None:
+            names.append(f"{k.name}@{'/'.join(k.devices)}")
+            k = k.fallback
+        chains.append(f"{op}:{'>'.join(names)}")
+    return ";".join(chains)
+
+
 def build(graphs: dict, out_dir: Path, opts: dict | None = None) -> dict[str, Any]:
     from kimi_compile.backends.cuda.program import Program
 
@@ -90,6 +105,9 @@ class Executor:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.plan = plan
         self.graphs = (self.options.graphs if graphs is None else graphs) and self.device.type == "cuda"
+        if self.device.type == "cuda":  # float32 graphs compute in float32 (no TF32 in GEMMs and convolutions)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         self._programs: dict[str, Any] = {}
 
     @property

@@ -64,10 +64,12 @@ def _mod(x, a):
 
 
 def _pow(x, a):
-    base, e = x
+    base, e = x  # the exponent is a host constant (HOST_INPUTS): read without a device sync
     if e.numel() == 1 and e.dtype.is_floating_point and float(e.reshape(-1)[0]) == 2.0:
         return (base * base,)
-    return (torch.pow(base, e.to(base.dtype) if base.dtype.is_floating_point else e),)
+    if e.numel() == 1:
+        return (torch.pow(base, e.reshape(()).item()),)
+    return (torch.pow(base, e.to(base.device, base.dtype) if base.dtype.is_floating_point else e.to(base.device)),)
 
 
 def _clip(x, a):
@@ -413,7 +415,7 @@ TABLE: dict[str, Callable] = {
 
 VIEWS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Identity"})
 # inputs that are shape arguments (read on the host): (op, input index)
-HOST_INPUTS = {("Reshape", 1), ("Squeeze", 1), ("Unsqueeze", 1), ("Slice", 1), ("Slice", 2), ("Slice", 3),
+HOST_INPUTS = {("Pow", 1), ("Reshape", 1), ("Squeeze", 1), ("Unsqueeze", 1), ("Slice", 1), ("Slice", 2), ("Slice", 3),
                ("Slice", 4), ("Split", 1), ("Expand", 1), ("Range", 0), ("Range", 1), ("Range", 2), ("TopK", 1),
                ("ReduceSum", 1), ("ReduceMean", 1), ("ReduceMax", 1), ("ReduceMin", 1), ("ReduceProd", 1),
                ("ConstantOfShape", 0), ("Trilu", 1), ("CumSum", 1)}

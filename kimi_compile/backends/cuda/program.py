@@ -303,6 +303,9 @@ class Specialized:
                 shapes[o] = (tuple(t.shape), t.dtype)
         self.steps = steps
         self.first_outputs = {name: env[i] for name, i in prog.outputs}
+        for i, t in self.static.items():  # device copies of every static value now: a captured run must not copy
+            if i not in self._static_dev:
+                self._static_dev[i] = prog.consts[i] if i in prog.consts else t.to(prog.device)
         self.slots: dict[int, torch.Tensor] = {}
         self.plan: memory.MemoryPlan | None = None
         self.arena: torch.Tensor | None = None
@@ -419,5 +422,9 @@ class Specialized:
                 self.graph_outputs = self.run(self.graph_inputs)
         except Exception as e:  # a step that syncs with the host cannot be captured: stay eager, say why
             self.capture_error = f"{type(e).__name__}: {e}"
+            import logging
+
+            logging.getLogger(__name__).warning("CUDA-graph capture failed, running this shape eagerly: %s",
+                                                self.capture_error)
             return
         self.graph = g
