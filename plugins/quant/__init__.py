@@ -23,11 +23,10 @@ from onnx import TensorProto
 from kimi_compile.ops import OpDef, TensorType, register
 
 from . import body, reference
+from .body import MX_ATTRS, TILE_ATTRS
 from .reference import ELEM_BY_ONNX_TYPE
 
 _FLOAT_INPUTS = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
-_MX_ATTRS = {"block": 32, "elem_type": TensorProto.FLOAT8E4M3FN, "rounding": "floor"}
-_TILE_ATTRS = {"tile": 128, "scale_fmt": "fp32"}
 
 
 def _attrs(op: str, defaults: dict[str, Any], attrs: dict[str, Any]) -> dict[str, Any]:
@@ -124,7 +123,7 @@ def _codes(q: Any) -> tuple[np.ndarray, str]:
 
 def quantize_mx_ref(x, *, block=32, elem_type=TensorProto.FLOAT8E4M3FN, rounding="floor"):
     """kimi.QuantizeMX reference: (q uint8 codes, scale uint8 E8M0 bytes)."""
-    a = _attrs("QuantizeMX", _MX_ATTRS, {"block": block, "elem_type": elem_type, "rounding": rounding})
+    a = _attrs("QuantizeMX", MX_ATTRS, {"block": block, "elem_type": elem_type, "rounding": rounding})
     return reference.mx_quantize(x, block=a["block"], elem=ELEM_BY_ONNX_TYPE[a["elem_type"]], rounding=a["rounding"])
 
 
@@ -160,23 +159,23 @@ def qdq_fp8_tile_ref(x, *, tile=128, scale_fmt="fp32"):
 
 
 OPS = (
-    OpDef("QuantizeMX", ("x",), ("q", "scale"), dict(_MX_ATTRS), body.quantize_mx,
-          _infer_quantize("QuantizeMX", _MX_ATTRS, "block"), quantize_mx_ref,
+    OpDef("QuantizeMX", ("x",), ("q", "scale"), dict(MX_ATTRS), body.quantize_mx,
+          _infer_quantize("QuantizeMX", MX_ATTRS, "block"), quantize_mx_ref,
           doc="MX block quantization: FP8 elements + one E8M0 (uint8) scale per block of the last axis", kind="quant"),
     OpDef("DequantizeMX", ("q", "scale"), ("y",), {"block": 32}, body.dequantize_mx,
           _infer_dequantize("DequantizeMX", {"block": 32}, "block"), dequantize_mx_ref,
           doc="float32(q) * 2^(scale - 127) per block; scale 0xFF -> NaN", kind="quant"),
-    OpDef("QDQMX", ("x",), ("y",), dict(_MX_ATTRS), body.qdq_mx,
-          _infer_qdq("QDQMX", _MX_ATTRS, "block"), qdq_mx_ref,
+    OpDef("QDQMX", ("x",), ("y",), dict(MX_ATTRS), body.qdq_mx,
+          _infer_qdq("QDQMX", MX_ATTRS, "block"), qdq_mx_ref,
           doc="MX fake quantization (quantize then dequantize), output dtype = input dtype", kind="quant"),
-    OpDef("QuantizeFP8Tile", ("x",), ("q", "scale"), dict(_TILE_ATTRS), body.quantize_fp8_tile,
-          _infer_quantize("QuantizeFP8Tile", _TILE_ATTRS, "tile"), quantize_fp8_tile_ref,
+    OpDef("QuantizeFP8Tile", ("x",), ("q", "scale"), dict(TILE_ATTRS), body.quantize_fp8_tile,
+          _infer_quantize("QuantizeFP8Tile", TILE_ATTRS, "tile"), quantize_fp8_tile_ref,
           doc="FP8 E4M3 per-tile quantization, float32 scale per tile of the last axis", kind="quant"),
     OpDef("DequantizeFP8Tile", ("q", "scale"), ("y",), {"tile": 128}, body.dequantize_fp8_tile,
           _infer_dequantize("DequantizeFP8Tile", {"tile": 128}, "tile"), dequantize_fp8_tile_ref,
           doc="float32(q) * scale per tile", kind="quant"),
-    OpDef("QDQFP8Tile", ("x",), ("y",), dict(_TILE_ATTRS), body.qdq_fp8_tile,
-          _infer_qdq("QDQFP8Tile", _TILE_ATTRS, "tile"), qdq_fp8_tile_ref,
+    OpDef("QDQFP8Tile", ("x",), ("y",), dict(TILE_ATTRS), body.qdq_fp8_tile,
+          _infer_qdq("QDQFP8Tile", TILE_ATTRS, "tile"), qdq_fp8_tile_ref,
           doc="FP8 tile fake quantization (quantize then dequantize), output dtype = input dtype", kind="quant"),
 )
 

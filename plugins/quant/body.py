@@ -29,7 +29,6 @@ How it stays exact without Log/Pow/BitCast (none is exact or present at opset 23
 ORT must run without denormals-are-zero (its default), since 2^-127 and some products are float32 subnormals.
 """
 
-
 from __future__ import annotations
 
 import math
@@ -44,8 +43,8 @@ from kimi_compile.ops import DOMAIN
 from . import reference as ref
 
 _F, _I64 = TensorProto.FLOAT, TensorProto.INT64
-_MX_DEFAULTS = {"block": 32, "elem_type": TensorProto.FLOAT8E4M3FN, "rounding": "floor"}
-_TILE_DEFAULTS = {"tile": 128, "scale_fmt": "fp32"}
+MX_ATTRS = {"block": 32, "elem_type": TensorProto.FLOAT8E4M3FN, "rounding": "floor"}  # the ops' attribute defaults
+TILE_ATTRS = {"tile": 128, "scale_fmt": "fp32"}
 _SEARCH_STEPS = (128, 64, 32, 16, 8, 4, 2, 1)  # 8 steps over the 256 bytes
 
 
@@ -198,10 +197,10 @@ def _family(quantize: Callable[..., list[NodeProto]], key: str, defaults: dict, 
     return quantize_fn, dequantize_fn, qdq_fn
 
 
-quantize_mx, dequantize_mx, qdq_mx = _family(_quantize_mx, "block", _MX_DEFAULTS,
+quantize_mx, dequantize_mx, qdq_mx = _family(_quantize_mx, "block", MX_ATTRS,
                                              ("QuantizeMX", "DequantizeMX", "QDQMX"))
 quantize_fp8_tile, dequantize_fp8_tile, qdq_fp8_tile = _family(
-    _quantize_fp8_tile, "tile", _TILE_DEFAULTS, ("QuantizeFP8Tile", "DequantizeFP8Tile", "QDQFP8Tile"))
+    _quantize_fp8_tile, "tile", TILE_ATTRS, ("QuantizeFP8Tile", "DequantizeFP8Tile", "QDQFP8Tile"))
 
 
 def dequant_nodes(codes: str, scale: str, out: str, kind: str, elem: str, block_attr: str) -> list[NodeProto]:
