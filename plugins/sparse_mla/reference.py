@@ -1,35 +1,23 @@
-"""kimi.SparseMLA: the one oracle, as a numpy twin (the op, as its ONNX body computes it) and torch twins (the GPU
-kernels' decode and prefill entry points over the FP8 latent cache).
+"""kimi.SparseMLA: the one oracle, as a numpy twin (the op, as its ONNX body computes it) and a torch twin (the GPU
+kernel's contract on the quantize pass's latent-cache pools).
 
-Contract shared by both twins: one output, o, the attention over the selected positions only; an index -1 selects
+Contract shared by both twins: one output, the attention over the selected positions only; an index -1 selects
 nothing; a query row with no valid index outputs zeros (no masking value is visible in the output). Scores are
-(q_lat . c_j + q_pe . pe_j) * scale, p = softmax over the selected j, o = sum_j p_j c_j (then . w_uv^T in the op).
-The numpy twin `sparse_mla` is the registered reference (absorbed form with w_uk / w_uv, any kv_format, float32
-output computed in fp64). The torch twins `*_ref` compute in float64 on the kernels' cache layout and return the
-latent output [.., H, 512]; `sparse_mla_decode_eager` is the unfused bf16 baseline that bench/gpu_kernels.py times.
-
-Torch-twin cache row (656 bytes/token, FlashMLA "fp8 with scale", optimizations.md §3.4): bytes [0, 512) E4M3FN
-codes of c_kv, [512, 528) four float32 scales (one per 128-element tile, power of two
-2^ceil(log2(max(amax, 1e-4) / 448))), [528, 656) 64 bf16 k_pe values. The cache is paged: [num_blocks, block_size,
-656] uint8 plus a block table. Attention for query row r (decode: one row per sequence; prefill: one row per query
-token) runs over the selected positions idx[r, :] (token positions within the sequence; -1 = unused):
-    score_j = (q[r, :, :512] . c_kv_j + q[r, :, 512:] . k_pe_j) * sm_scale,  p = softmax_j(score),
-    out[r] = sum_j p_j c_kv_j  -> [H, 512].
-Torch is imported inside the torch twins only, so the numpy twin (and the op registry) never imports it.
+(q_lat . c_j + q_pe . pe_j) * scale, p = softmax over the selected j, o_lat = sum_j p_j c_j.
+The numpy twin `sparse_mla` is the registered reference (absorbed form: q_lat = q_nope . w_uk, o = o_lat . w_uv^T;
+any kv_format; float32 output computed in fp64). The torch twin `sparse_mla_pools_ref` computes o_lat in float64 on
+the kernel's layout, which is the quantize pass's: three paged pools, c codes [NB, BS, 512] (E4M3 bytes), one E8M0
+byte per 128 values [NB, BS, 4] (2^(b-127), the fp8_tile ue8m0 rule), RoPE dims [NB, BS, 64] (bf16); q_lat is
+[B, T, H, 576] (the absorbed latent query then q_pe). The numpy twin reads the same pools with kv_format "mxfp8",
+tile 128, rope_format "float" and identity W_UK / W_UV.
+Torch is imported inside the torch twin only, so the numpy twin (and the op registry) never imports it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from kimi_compile.plugins.quant.reference import fp8_tile_dequantize, fp8_tile_quantize_torch, mx_dequantize
-
-if TYPE_CHECKING:
-    import torch
-
-D_LATENT, D_PE, ROW_BYTES = 512, 64, 656
+from kimi_compile.plugins.quant.reference import fp8_tile_dequantize, mx_dequantize, mx_dequantize_torch
 
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op
@@ -68,85 +56,24 @@ def sparse_mla(q_nope, q_pe, kv_pool, block_table, indices, w_uk, w_uv, kv_scale
     return o.astype(np.float32)
 
 
-# ---------------------------------------------------------------- torch twins: the oracle of the kernels
-def mla_fp8_quantize_ref(c_kv: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
-    """c_kv [N, 512], k_pe [N, 64] (finite) -> rows [N, 656] uint8: c_kv by plugins/quant/reference.py's FP8 tile
-    quantizer (tile 128, ue8m0: power-of-two float32 scales, exact exponent rule), k_pe as bf16."""
+# ---------------------------------------------------------------- torch twin: the oracle of the kernel
+def sparse_mla_pools_ref(q_lat, codes, scales, rope, block_table, indices, sm_scale: float):
+    """q_lat [B, T, H, 576], codes [NB, BS, 512] uint8, scales [NB, BS, 4] uint8 (E8M0), rope [NB, BS, 64],
+    block_table [B, MB], indices [B, T, k] (positions in sequence b, -1 = none) -> o_lat float64 [B, T, H, 512]."""
     import torch
 
-    N = c_kv.shape[0]
-    codes, scale = fp8_tile_quantize_torch(c_kv, tile=128, scale_fmt="ue8m0")
-    out = torch.empty(N, ROW_BYTES, dtype=torch.uint8, device=c_kv.device)
-    out[:, :512] = codes.reshape(N, 512)
-    out[:, 512:528] = scale.contiguous().view(torch.uint8).reshape(N, 16)
-    out[:, 528:] = k_pe.to(torch.bfloat16).contiguous().view(torch.uint8).reshape(N, 128)
+    bs = codes.shape[1]
+    c = mx_dequantize_torch(codes.cpu().reshape(-1, 512), scales.cpu().reshape(-1, 4), block=128)
+    pe, q, bt, idx = rope.cpu().reshape(-1, 64).double(), q_lat.cpu().double(), block_table.cpu().long(), \
+        indices.cpu().long()
+    B, T, H, _ = q.shape
+    out = torch.zeros(B, T, H, 512, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            sel = idx[b, t][idx[b, t] >= 0]
+            if sel.numel() == 0:
+                continue
+            rows = bt[b][sel // bs] * bs + sel % bs
+            s = (q[b, t, :, :512] @ c[rows].T + q[b, t, :, 512:] @ pe[rows].T) * sm_scale  # [H, n]
+            out[b, t] = torch.softmax(s, -1) @ c[rows]
     return out
-
-
-def mla_fp8_dequantize_ref(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows [..., 656] uint8 -> (c_kv float64 [..., 512], k_pe float64 [..., 64])."""
-    import torch
-
-    shp = rows.shape[:-1]
-    rows = rows.reshape(-1, ROW_BYTES).contiguous()
-    codes = rows[:, :512].contiguous().view(torch.float8_e4m3fn).double().reshape(-1, 4, 128)
-    scale = rows[:, 512:528].contiguous().view(torch.float32).double()
-    c_kv = (codes * scale[..., None]).reshape(*shp, 512)
-    k_pe = rows[:, 528:].contiguous().view(torch.bfloat16).double().reshape(*shp, 64)
-    return c_kv, k_pe
-
-
-def write_mla_cache_ref(c_kv, k_pe, slot_mapping, kv_cache) -> None:
-    rows = mla_fp8_quantize_ref(c_kv, k_pe)
-    keep = slot_mapping >= 0
-    kv_cache.view(-1, ROW_BYTES)[slot_mapping[keep].long()] = rows[keep]
-
-
-def _attend_rows(q, kv_cache, block_table, row_seq, indices, sm_scale):
-    import torch
-
-    q, kv, bt, idx = q.cpu().double(), kv_cache.cpu(), block_table.cpu().long(), indices.cpu().long()
-    R, H, _ = q.shape
-    bs = kv.shape[1]
-    out = torch.zeros(R, H, 512, dtype=torch.float64)
-    for r in range(R):
-        sel = idx[r][idx[r] >= 0]
-        if sel.numel() == 0:
-            continue
-        seq = int(row_seq[r])
-        rows = kv[bt[seq, sel // bs], sel % bs]
-        c_kv, k_pe = mla_fp8_dequantize_ref(rows)
-        s = (q[r, :, :512] @ c_kv.T + q[r, :, 512:] @ k_pe.T) * sm_scale  # [H, n]
-        out[r] = torch.softmax(s, -1) @ c_kv
-    return out
-
-
-def sparse_mla_decode_ref(q, kv_cache, block_table, indices, sm_scale: float) -> torch.Tensor:
-    """q [B, H, 576], indices [B, topk] positions in sequence b -> out float64 [B, H, 512]."""
-    return _attend_rows(q, kv_cache, block_table, range(q.shape[0]), indices, sm_scale)
-
-
-def sparse_mla_prefill_ref(q, kv_cache, block_table_row, indices, sm_scale: float) -> torch.Tensor:
-    """q [T, H, 576], indices [T, topk] (each query token its own selected set) in one sequence -> [T, H, 512]."""
-    return _attend_rows(q, kv_cache, block_table_row[None], [0] * q.shape[0], indices, sm_scale)
-
-
-def sparse_mla_decode_eager(q, kv_cache, block_table, indices, sm_scale: float) -> torch.Tensor:
-    """Eager unfused baseline: gather rows, dequantize to bf16, bf16 matmuls, fp32 softmax -> [B, H, 512] bf16."""
-    import torch
-
-    B, H, _ = q.shape
-    bs = kv_cache.shape[1]
-    valid = indices >= 0
-    idx = indices.clamp_min(0).long()
-    blk = torch.gather(block_table.long(), 1, idx // bs)
-    rows = kv_cache.view(-1, ROW_BYTES)[blk * bs + idx % bs]  # [B, K, 656]
-    codes = rows[..., :512].contiguous().view(torch.float8_e4m3fn).float().reshape(B, -1, 4, 128)
-    scale = rows[..., 512:528].contiguous().view(torch.float32)
-    c_kv = (codes * scale[..., None]).reshape(B, -1, 512).bfloat16()
-    k_pe = rows[..., 528:].contiguous().view(torch.bfloat16)
-    kfull = torch.cat([c_kv, k_pe], -1)  # [B, K, 576]
-    s = torch.bmm(q, kfull.transpose(1, 2)).float() * sm_scale  # [B, H, K]
-    s = s.masked_fill(~valid[:, None, :], float("-inf"))
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    return torch.bmm(p.bfloat16(), c_kv)

@@ -69,28 +69,26 @@ def test_indexer_topk_eager_baseline_keeps_the_contract():
 
 
 def test_sparse_mla_twins_share_one_contract():
-    """The torch twin's 656-byte FP8 rows, read as the op's fp8_tile pools (codes, float32 tile scales, float RoPE
-    part), give the numpy twin's output with identity W_UK / W_UV; a row with no valid index is zero in both."""
+    """The torch twin on the kernel's three pools (E4M3 codes, E8M0 byte per 128 values by the ceil rule, bf16 RoPE)
+    equals the numpy twin on the same pools (kv_format mxfp8, tile 128, float rope) with identity W_UK / W_UV; a row
+    with no valid index is zero in both."""
+    from kimi_compile.plugins.quant.reference import mx_quantize_torch
+
     gen = torch.Generator().manual_seed(2)
     bs, nb, H, k = 4, 5, 2, 6
-    cache = torch.zeros(nb, bs, mref.ROW_BYTES, dtype=torch.uint8)
-    mref.write_mla_cache_ref(torch.randn(nb * bs, 512, generator=gen), torch.randn(nb * bs, 64, generator=gen),
-                             torch.arange(nb * bs), cache)
+    codes, scales = mx_quantize_torch(torch.randn(nb, bs, 512, generator=gen), block=128, rounding="ceil")
+    rope = torch.randn(nb, bs, 64, generator=gen).bfloat16()
     bt = torch.tensor([[3, 1, 4], [2, 0, 0]])
-    idx = torch.stack([torch.randperm(12, generator=gen)[:k], torch.full((k,), -1)]).int()
-    idx[0, 2] = -1
-    q = torch.randn(2, H, 576, generator=gen)
+    idx = torch.stack([torch.randperm(12, generator=gen)[:k], torch.full((k,), -1)])[:, None]  # [B, T=1, k]
+    idx[0, 0, 2] = -1
+    q = torch.randn(2, 1, H, 576, generator=gen)
     scale = 576 ** -0.5
-    want = mref.sparse_mla_decode_ref(q, cache, bt, idx, scale).numpy()
-    rows = cache.view(-1, mref.ROW_BYTES)
-    codes = rows[:, :512].reshape(nb, bs, 512).numpy()
-    tile_scale = rows[:, 512:528].contiguous().view(torch.float32).reshape(nb, bs, 4).numpy()
-    pe = rows[:, 528:].contiguous().view(torch.bfloat16).float().reshape(nb, bs, 64).numpy()
+    want = mref.sparse_mla_pools_ref(q, codes, scales, rope, bt, idx, scale).numpy()
     eye = np.broadcast_to(np.eye(512, dtype=np.float32), (H, 512, 512))
     got = ops.lookup("SparseMLA").reference(
-        q[:, None, :, :512].numpy(), q[:, None, :, 512:].numpy(), codes, bt.numpy(), idx[:, None].long().numpy(), eye,
-        eye, tile_scale, pe, scale=scale, kv_lora_rank=512, kv_format="fp8_tile", rope_format="float")
-    np.testing.assert_allclose(got[:, 0], want, rtol=1e-4, atol=1e-5)
+        q[..., :512].numpy(), q[..., 512:].numpy(), codes.numpy(), bt.numpy(), idx.numpy(), eye, eye, scales.numpy(),
+        rope.float().numpy(), scale=scale, kv_lora_rank=512, kv_format="mxfp8", tile=128, rope_format="float")
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert (got[1] == 0).all() and (want[1] == 0).all()
 
 
