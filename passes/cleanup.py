@@ -15,9 +15,23 @@ from kimi_compile.ops import DOMAIN
 from kimi_compile.pipeline import KimiPass, PassStats
 
 
+# Layout-only ops (exact, no arithmetic) are folded over constants whatever their size: weight reshapes, transposes
+# and slices (the per-head W_UK / W_UV views of kv_b, ...) must become initializers at every model size, or the
+# fusions that need constant weights refuse on large models while they match on small ones.
+LAYOUT_OPS = frozenset({"Reshape", "Transpose", "Slice", "Squeeze", "Unsqueeze", "Split", "Identity", "Concat"})
+
+
+def _should_fold(node: ir.Node) -> bool | None:
+    if node.domain == DOMAIN:
+        return False
+    if node.domain == "" and node.op_type in LAYOUT_OPS:
+        return True
+    return None  # the folder's default rules and size limits
+
+
 class CleanupPass(KimiPass):
     name = "cleanup"
-    version = 1
+    version = 2
 
     @dataclasses.dataclass(frozen=True)
     class Options:
@@ -31,7 +45,7 @@ class CleanupPass(KimiPass):
             from onnxscript.optimizer._constant_folding import FoldConstantsPass
 
             FoldConstantsPass(shape_inference=False, input_size_limit=1 << 16, output_size_limit=1 << 20,
-                              should_fold=lambda node: False if node.domain == DOMAIN else None)(model)
+                              should_fold=_should_fold)(model)
         common.RemoveUnusedNodesPass()(model)
         used = {(n.domain, n.op_type, n.overload) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
         removed_fn = [k for k in model.functions if k not in used]

@@ -83,7 +83,7 @@ def test_defaults_are_resolved():
     assert d["model"] == {"preset": "kimi-k3-tiny", "checkpoint": None, "seed": 0, "dtype": "float32"}
     assert d["parallel"] == {"tp": 1, "cp": 1, "sequence_parallel": False}
     assert d["backend"] == {"name": "onnxruntime", "options": {}}
-    assert d["target"] == "cpu" and d["verify"] == {"tolerance": 1e-4}
+    assert d["target"] == "cpu" and d["verify"] == {"tolerance": 1e-4, "accuracy": True}
     assert d["passes"] == [] and d["precision"] == []
 
 
