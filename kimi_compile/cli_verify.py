@@ -21,7 +21,7 @@ def verify_artifacts(trt_dir: str | Path, ort_dir: str | Path, tolerance: float 
     """{"executed": bool, "reason"?, "phases": {phase: {"trt_vs_ort": err, "trt_vs_reference": err}}}."""
     from kimi_compile.artifact import load_manifest
     from kimi_compile.backends import get
-    from kimi_compile.runtime.trt_executor import EngineLoadError
+    from kimi_compile.backends.tensorrt.executor import EngineLoadError
 
     trt_m, ort_m = load_manifest(trt_dir), load_manifest(ort_dir)
     if trt_m["backend"]["name"] != "tensorrt" or ort_m["backend"]["name"] != "onnxruntime":

@@ -63,6 +63,7 @@ class OpDef:
         return f"{self.domain}.{self.name}"
 
 
+PLUGINS = "kimi_compile.plugins"
 _REGISTRY: dict[tuple[str, str], OpDef] = {}
 _LOADED = False
 
@@ -78,14 +79,17 @@ def register(op: OpDef) -> OpDef:
     return op
 
 
+def _plugins_package():
+    """The plugins package, found by name: the registry discovers plugins (which import it), never the reverse."""
+    return importlib.import_module(PLUGINS)
+
+
 def ensure_loaded() -> None:
     """Import every plugin package so that its ops are registered."""
     global _LOADED
     if _LOADED:
         return
-    from kimi_compile import plugins
-
-    for info in pkgutil.iter_modules(plugins.__path__):
+    for info in pkgutil.iter_modules(_plugins_package().__path__):
         if info.ispkg:
             importlib.import_module(f"kimi_compile.plugins.{info.name}")
     _LOADED = True
@@ -93,10 +97,8 @@ def ensure_loaded() -> None:
 
 def plugin_modules(submodule: str) -> list:
     """Import `kimi_compile.plugins.<op>.<submodule>` for every plugin folder that has it (e.g. "tensorrt")."""
-    from kimi_compile import plugins
-
     mods = []
-    for info in pkgutil.iter_modules(plugins.__path__):
+    for info in pkgutil.iter_modules(_plugins_package().__path__):
         if not info.ispkg:
             continue
         name = f"kimi_compile.plugins.{info.name}.{submodule}"
@@ -123,29 +125,7 @@ def registered() -> list[OpDef]:
     return sorted(_REGISTRY.values(), key=lambda o: o.qualified)
 
 
-@dataclasses.dataclass(frozen=True)
-class Kernel:
-    """One backend implementation of a `kimi.*` op, named in the op folder's backend table (`plugins/<op>/cuda.py`:
-    `CUDA = {"OpName": Kernel(...)}`), the same pattern as the TensorRT tables.
-
-    run(inputs, attrs) -> tuple of outputs: torch tensors in the op's input order (None for an absent optional
-        input), attributes by name; outputs in the op's output order.
-    supports(inputs, attrs) -> None when the kernel applies to these shapes/dtypes/attributes, else the reason (the
-        backend then runs the op's reference and lists the node with that reason in its GPU coverage report).
-    devices: where `run` works ("cuda" for Triton kernels; torch-composed kernels run on "cpu" too).
-    inplace: {output index: input index} pairs the kernel writes in place (a cache updated where it lives).
-    fallback: the op's one other kernel, used where this one does not apply (before the reference).
-    """
-
-    run: Callable[..., Any]
-    supports: Callable[..., str | None] | None = None
-    devices: tuple[str, ...] = ("cuda",)
-    inplace: dict = dataclasses.field(default_factory=dict)
-    name: str = ""
-    fallback: Kernel | None = None
-
-
-def kernels(table: str) -> dict[str, Kernel]:
+def kernels(table: str) -> dict:
     """Every op folder's `<table>` dict (e.g. "CUDA" from plugins/<op>/cuda.py), merged: {op name: Kernel}."""
     out: dict[str, Kernel] = {}
     for mod in plugin_modules(table.lower()):

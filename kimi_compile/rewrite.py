@@ -19,7 +19,7 @@ import onnx
 import onnx_ir as ir
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.passbase import KimiPass, PassStats
 from kimi_compile.plugins.quant.reference import ELEM_BY_ONNX_TYPE, code_table
 
 log = logging.getLogger("kimi_compile.fusion")

@@ -12,7 +12,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common as common
 
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.passbase import KimiPass, PassStats
 
 
 # Layout-only ops (exact, no arithmetic) are folded over constants whatever their size: weight reshapes, transposes

@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kimi_compile import ops
-from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.passbase import KimiPass, PassStats
 
 RULE = "convert_dtype"
 _TARGET = {"bfloat16": (ir.DataType.BFLOAT16, ml_dtypes.bfloat16), "float16": (ir.DataType.FLOAT16, np.float16)}

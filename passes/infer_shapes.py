@@ -8,7 +8,7 @@ import dataclasses
 import onnx_ir as ir
 import onnx_ir.passes.common as common
 
-from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.passbase import KimiPass, PassStats
 
 
 def _known(model: ir.Model) -> int:

@@ -55,7 +55,7 @@ import onnx_ir as ir
 
 from kimi_compile.functions import attach_functions
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.passbase import KimiPass, PassStats
 from kimi_compile.plugins.quant.reference import code_table, elem_format, search_table
 from kimi_compile.rewrite import static_last
 

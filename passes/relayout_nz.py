@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from kimi_compile.functions import attach_functions
 from kimi_compile.ops import DOMAIN
-from kimi_compile.pipeline import KimiPass, PassStats
+from kimi_compile.passbase import KimiPass, PassStats
 from kimi_compile.plugins.matmul_nz import nd_to_nz, nz_block
 
 _FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 
 def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

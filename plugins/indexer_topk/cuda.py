@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 MASKED = -1e30
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from kimi_compile.backends.trt_lowering import LoweringError, Native, Plugin
+from kimi_compile.lowering import LoweringError, Native, Plugin
 
 TOPK_LIMIT = 3840  # TensorRT's ITopKLayer / ONNX TopK import: K < 3840
 

@@ -13,7 +13,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 # id of the first part -> (weak references to the parts, their concatenation): made once per weight set (outside any
 # CUDA-graph capture); an entry whose weights died (an id reused by a new tensor) is remade

@@ -11,7 +11,7 @@ same native ILoop.
 
 from __future__ import annotations
 
-from kimi_compile.backends.trt_lowering import Native, Plugin
+from kimi_compile.lowering import Native, Plugin
 
 _LOOP = Native("ONNX Scan body -> TensorRT ILoop over T (token-serial recurrence, state carried in the loop)")
 

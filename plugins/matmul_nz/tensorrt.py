@@ -7,7 +7,7 @@ one MatMul (IMatrixMultiplyLayer): the engine holds the plain weight.
 
 from __future__ import annotations
 
-from kimi_compile.backends.trt_lowering import Native
+from kimi_compile.lowering import Native
 
 TENSORRT = {"MatMulNZ": {f: Native("NZ -> plain weight folded at build time (Transpose/Reshape/Slice of a constant), "
                                    "then MatMul") for f in ("tensorrt", "tensorrt_rtx")}}

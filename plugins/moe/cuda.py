@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 
 def _act(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:

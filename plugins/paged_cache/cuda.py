@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 _BYTES = (torch.float8_e4m3fn, torch.float8_e5m2)  # index ops move their bytes (torch has no float8 index kernels)
 

@@ -9,7 +9,7 @@ over the flattened block table + Reshape (IGatherLayer).
 
 from __future__ import annotations
 
-from kimi_compile.backends.trt_lowering import Native
+from kimi_compile.lowering import Native
 
 TENSORRT = {
     "PagedWrite": {f: Native("Reshape -> ScatterND (IScatterLayer, ND) -> Reshape; pool double-buffered by the "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 _F8 = {17: torch.float8_e4m3fn, 19: torch.float8_e5m2}
 _ELEM = {17: "e4m3", 19: "e5m2"}

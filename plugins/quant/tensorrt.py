@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx
 from onnx import TensorProto, helper
 
-from kimi_compile.backends.trt_lowering import Native
+from kimi_compile.lowering import Native
 
 _FP8 = (TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E5M2)
 _DEQUANT_OPS = ("DequantizeMX", "DequantizeFP8Tile")  # input 0 is typed FP8

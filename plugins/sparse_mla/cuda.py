@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.ops import Kernel
+from kimi_compile.lowering import Kernel
 
 HEAD_BLOCK = 64  # the Triton kernel's heads per program
 

@@ -8,7 +8,7 @@ creator is registered; otherwise native.
 
 from __future__ import annotations
 
-from kimi_compile.backends.trt_lowering import Native, Plugin
+from kimi_compile.lowering import Native, Plugin
 
 _NATIVE = Native("gather of the selected latent rows + MatMul/Softmax/MatMul from the ONNX body (IAttention takes no "
                  "index list)")

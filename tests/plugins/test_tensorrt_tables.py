@@ -4,7 +4,7 @@ registered). Runs without TensorRT."""
 
 from __future__ import annotations
 
-from kimi_compile.backends import trt_lowering as tl
+from kimi_compile.backends.tensorrt import lowering as tl
 
 
 def _plugins() -> dict[tuple[str, str], tl.Plugin]:

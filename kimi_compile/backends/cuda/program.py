@@ -102,7 +102,7 @@ def _from_reference(a: Any, like: ir.Value, device: torch.device) -> torch.Tenso
 class Program:
     """One phase graph as steps over a value table. `run(feeds)` -> {output name: tensor}."""
 
-    def __init__(self, model: ir.Model, device: str | torch.device, kernels: dict[str, ops.Kernel] | None = None,
+    def __init__(self, model: ir.Model, device: str | torch.device, kernels: dict | None = None,
                  *, weights: bool = True, kernel_device: str | None = None):
         """`weights=False` lowers from shapes alone (device "meta": for the build's coverage report);
         `kernel_device` is the device kernels are chosen for (default: `device`'s type)."""

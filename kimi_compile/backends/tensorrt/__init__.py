@@ -8,7 +8,7 @@ Two flavours, whichever is installed (recipe `backend.options.flavour` picks one
 
 build(graphs, out_dir, options) per phase:
     1. write the graph with external weights into a scratch dir;
-    2. lower every kimi.* node per op and flavour (trt_lowering: the op folder's tensorrt.py; native layers from the
+    2. lower every kimi.* node per op and flavour (lowering.py: the op folder's tensorrt.py; native layers from the
        inlined ONNX body, or a `kimi::<Op>` plugin when one is registered);
     3. parse with the TensorRT ONNX parser into a strongly typed network; an error names the ONNX node, its op and
        the kimi node it came from;
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kimi_compile.backends import BackendError
-from kimi_compile.backends import trt_lowering as tl
+from kimi_compile.backends.tensorrt import lowering as tl
 
 NAME = "tensorrt"
 _BASE_BUILD_VERSION = 1  # bump when the files build() writes change
@@ -311,7 +311,7 @@ def _build_phase(trt, flavour, phase, lowered, path, origin, node_ops, targets, 
 
 
 def _io(network, shapes) -> list[dict]:
-    from kimi_compile.runtime.trt_executor import DTYPE_BYTES
+    from kimi_compile.backends.tensorrt.executor import DTYPE_BYTES
 
     out = []
     for mode, n, get in (("input", network.num_inputs, network.get_input),
@@ -357,7 +357,7 @@ def parse_layer_report(text: str) -> list[dict]:
 
 def _layers(trt, plan: bytes, logger, origin, phase, out_dir) -> dict:
     """Engine layers: from the engine inspector when the engine deserializes on this machine, else the report."""
-    from kimi_compile.runtime.trt_executor import inspect_plan
+    from kimi_compile.backends.tensorrt.executor import inspect_plan
 
     info, why = inspect_plan(trt, plan)
     if info is not None:
@@ -417,6 +417,6 @@ def _build_failure(phase, logger, origin, node_ops) -> str:
 
 
 def load(artifact_dir: Path, manifest: dict, **kwargs):
-    from kimi_compile.runtime.trt_executor import Executor
+    from kimi_compile.backends.tensorrt.executor import Executor
 
     return Executor(artifact_dir, manifest, **kwargs)

@@ -92,9 +92,12 @@ def test_runtime_logits_match_reference_every_step(which, request, tmp_path):
 
 def test_sampling_is_seeded(built):
     sess = load(built[1].artifact)
-    a = sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=4)
-    b = sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=4)
+    a = sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=4, stop_at_eos=False)
+    b = sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=4, stop_at_eos=False)
     assert a == b and len(a[0]) == 8
+    greedy = sess.generate([[1, 2, 3]], 8, stop_at_eos=False)
+    others = [sess.generate([[1, 2, 3]], 8, temperature=1.0, seed=s, stop_at_eos=False) for s in (5, 6)]
+    assert a != greedy and any(o != a for o in others)  # it samples (not greedy) and the seed matters
 
 
 def test_runtime_does_not_import_torch(built):

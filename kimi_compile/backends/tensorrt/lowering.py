@@ -38,56 +38,17 @@ from onnx import AttributeProto
 
 from kimi_compile import ops
 
-FLAVOURS = ("tensorrt", "tensorrt_rtx")
-NAMESPACE = "kimi"
-
-
-class LoweringError(RuntimeError):
-    """A kimi node cannot be lowered for TensorRT; the message names the node, the op and what to change."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Native:
-    """Inline the op's ONNX function body: the parser builds native TensorRT layers. `rewrite(call, body) -> body`
-    adapts the inlined body to TensorRT where the standard-op body uses what TensorRT refuses (e.g. FP8 Casts ->
-    explicit Q/DQ); bump `version` when it changes."""
-
-    reason: str
-    version: int = 1
-    rewrite: Callable[[onnx.NodeProto, list[onnx.NodeProto]], list[onnx.NodeProto]] | None = \
-        dataclasses.field(default=None, compare=False)
-    kind: str = "native"
-
-
-PLUGIN_STATUSES = ("planned", "available")
-PLANNED = "planned (not implemented)"
-
-
-@dataclasses.dataclass(frozen=True)
-class Plugin:
-    """Keep one node for an IPluginV3 creator `kimi::<name>` (AOT form when `aot`); `otherwise` when unregistered.
-    `status` "planned": no implementation ships with this project yet (see the module docstring)."""
-
-    name: str
-    reason: str
-    otherwise: Native
-    plugin_version: str = "1"
-    aot: bool = True
-    version: int = 1
-    kind: str = "plugin"
-    status: str = "planned"
-
-    def __post_init__(self):
-        if self.status not in PLUGIN_STATUSES:
-            raise LoweringError(f"Plugin {self.name}: status must be one of {PLUGIN_STATUSES}, got {self.status!r}")
-
-    @property
-    def shown_status(self) -> str:
-        return PLANNED if self.status == "planned" else self.status
-
-
-Lowering = Native | Plugin
-DEFAULT = Native("no TensorRT lowering in the op's folder: its ONNX function body is inlined (native layers)")
+from kimi_compile.lowering import (  # noqa: F401  (the table vocabulary, re-exported for the backend)
+    DEFAULT,
+    FLAVOURS,
+    NAMESPACE,
+    PLANNED,
+    PLUGIN_STATUSES,
+    Lowering,
+    LoweringError,
+    Native,
+    Plugin,
+)
 
 
 def lowering_tables() -> dict[str, dict[str, Lowering]]:

@@ -1,0 +1,90 @@
+"""The vocabulary of the backend tables that op folders fill (DESIGN.md §3 "Ops"): `Kernel` for the cuda backend
+(plugins/<op>/cuda.py: `CUDA = {"Op": Kernel(...)}`) and `Native` / `Plugin` for TensorRT (plugins/<op>/tensorrt.py:
+`TENSORRT = {"Op": {flavour: Native(...) | Plugin(...)}}`). Defined here, below the backends, so that op folders
+never import a backend; the backends read the tables (`ops.kernels("CUDA")`, backends/tensorrt/lowering.py).
+Imports no torch and no tensorrt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import onnx
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One backend implementation of a `kimi.*` op, named in the op folder's backend table (`plugins/<op>/cuda.py`:
+    `CUDA = {"OpName": Kernel(...)}`), the same pattern as the TensorRT tables.
+
+    run(inputs, attrs) -> tuple of outputs: torch tensors in the op's input order (None for an absent optional
+        input), attributes by name; outputs in the op's output order.
+    supports(inputs, attrs) -> None when the kernel applies to these shapes/dtypes/attributes, else the reason (the
+        backend then runs the op's reference and lists the node with that reason in its GPU coverage report).
+    devices: where `run` works ("cuda" for Triton kernels; torch-composed kernels run on "cpu" too).
+    inplace: {output index: input index} pairs the kernel writes in place (a cache updated where it lives).
+    fallback: the op's one other kernel, used where this one does not apply (before the reference).
+    """
+
+    run: Callable[..., Any]
+    supports: Callable[..., str | None] | None = None
+    devices: tuple[str, ...] = ("cuda",)
+    inplace: dict = dataclasses.field(default_factory=dict)
+    name: str = ""
+    fallback: Kernel | None = None
+
+
+# ---- TensorRT -------------------------------------------------------------------------------------------------
+
+FLAVOURS = ("tensorrt", "tensorrt_rtx")
+NAMESPACE = "kimi"
+
+
+class LoweringError(RuntimeError):
+    """A kimi node cannot be lowered for TensorRT; the message names the node, the op and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Native:
+    """Inline the op's ONNX function body: the parser builds native TensorRT layers. `rewrite(call, body) -> body`
+    adapts the inlined body to TensorRT where the standard-op body uses what TensorRT refuses (e.g. FP8 Casts ->
+    explicit Q/DQ); bump `version` when it changes."""
+
+    reason: str
+    version: int = 1
+    rewrite: Callable[[onnx.NodeProto, list[onnx.NodeProto]], list[onnx.NodeProto]] | None = \
+        dataclasses.field(default=None, compare=False)
+    kind: str = "native"
+
+
+PLUGIN_STATUSES = ("planned", "available")
+PLANNED = "planned (not implemented)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plugin:
+    """Keep one node for an IPluginV3 creator `kimi::<name>` (AOT form when `aot`); `otherwise` when unregistered.
+    `status` "planned": no implementation ships with this project yet (see the module docstring)."""
+
+    name: str
+    reason: str
+    otherwise: Native
+    plugin_version: str = "1"
+    aot: bool = True
+    version: int = 1
+    kind: str = "plugin"
+    status: str = "planned"
+
+    def __post_init__(self):
+        if self.status not in PLUGIN_STATUSES:
+            raise LoweringError(f"Plugin {self.name}: status must be one of {PLUGIN_STATUSES}, got {self.status!r}")
+
+    @property
+    def shown_status(self) -> str:
+        return PLANNED if self.status == "planned" else self.status
+
+
+Lowering = Native | Plugin
+DEFAULT = Native("no TensorRT lowering in the op's folder: its ONNX function body is inlined (native layers)")
