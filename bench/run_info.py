@@ -1,8 +1,9 @@
 """What every benchmark result records about its run: the command, the date, the git commit measured (and whether
 the tree had uncommitted changes), the device and the library versions.
 
-`git` needs the repository. Where the tree was copied without it (a lent GPU machine), pass the commit in the
-environment: `KIMI_COMMIT=$(git rev-parse HEAD) python bench/...`; the result then says where the commit came from.
+On a lent GPU machine the tree is copied without its history, and a `.git` found there may be a stale first
+checkout: pass the commit in the environment, `KIMI_COMMIT=$(git rev-parse HEAD) python bench/...`. KIMI_COMMIT wins
+over `git rev-parse HEAD` when both exist; the result says where its commit came from.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> dict:
-    """{"commit": sha, "dirty": bool | None, "commit_from": "git" | "KIMI_COMMIT" | "unknown"}."""
+    """{"commit": sha, "dirty": bool | None (tracked files modified), "commit_from": "KIMI_COMMIT" | "git" |
+    "unknown"}."""
+    env = os.environ.get("KIMI_COMMIT")
+    if env:
+        return {"commit": env, "dirty": None, "commit_from": "KIMI_COMMIT"}
     sha = _git("rev-parse", "HEAD")
     if sha:
         return {"commit": sha, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
                 "commit_from": "git"}
-    env = os.environ.get("KIMI_COMMIT")
-    return {"commit": env or "unknown", "dirty": None, "commit_from": "KIMI_COMMIT" if env else "unknown"}
+    return {"commit": "unknown", "dirty": None, "commit_from": "unknown"}
 
 
 def versions(*names: str) -> dict:
