@@ -41,6 +41,7 @@ PASS_MODULES = {
     "quantize": "kimi_compile.passes.quantize",
     "relayout_nz": "kimi_compile.passes.relayout_nz",
     "convert_dtype": "kimi_compile.passes.convert_dtype",
+    "assign_streams": "kimi_compile.passes.assign_streams",
 }
 
 

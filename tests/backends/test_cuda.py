@@ -217,3 +217,33 @@ def test_refusals_name_the_field(tiny_build):
     d["backend"], d["target"] = {"name": "cuda", "options": {}}, "cuda"
     with pytest.raises(RecipeError, match="needs the convert_dtype pass"):
         parse_recipe(d, "x")
+
+
+def test_manifest_memory_plan_is_the_runtime_plan(k31_pair):
+    """The build records the plan's peak per decode bucket and prefill chunk (meta tensors, full context capacity);
+    the executor's plan for the same shapes on real tensors has the same peak."""
+    import json
+
+    _, cuda_dir = k31_pair
+    man = json.loads((cuda_dir / "manifest.json").read_text())
+    plans = man["backend"]["memory_plan"]
+    export = man["recipe"]["export"]
+    assert set(plans["decode"]) == {f"{b}x1" for b in (1, 2, 4, 8) if b <= export["max_batch"]}
+    assert plans["prefill"] == {f"1x{export['prefill_chunk']}": plans["prefill"][f"1x{export['prefill_chunk']}"]}
+    for p in (*plans["decode"].values(), *plans["prefill"].values()):
+        assert 0 < p["lower_bound_bytes"] <= p["peak_bytes"] <= p["without_reuse_bytes"]
+    progs, _ = _programs(cuda_dir)
+    mb = -(-export["max_seq_len"] // export["block_size"])
+    B = 4
+    dims = {"batch": B, "seq": 1, "max_blocks": mb, "num_blocks": B * mb + 1}
+    m = progs["decode"]
+    feeds = {}
+    for name, i in m.inputs:
+        v = m.values[i]
+        shape = [d if isinstance(d, int) else dims[str(d)] for d in v.shape]
+        feeds[name] = torch.zeros(shape, dtype=torch.int64 if name in ("input_ids", "start", "lengths", "block_table")
+                                  else torch.float32)
+    feeds["lengths"] = torch.ones(B, dtype=torch.int64)
+    m.run(feeds)
+    spec = m._specs[m.signature(feeds)]
+    assert spec.plan.peak == plans["decode"][f"{B}x1"]["peak_bytes"]

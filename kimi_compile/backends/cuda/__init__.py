@@ -19,7 +19,7 @@ import numpy as np
 from kimi_compile.backends.serialize import write_graphs
 
 NAME = "cuda"
-BUILD_VERSION = 1  # bump when the files build() writes change (part of the cache key)
+BUILD_VERSION = 2  # bump when what build() writes changes (part of the cache key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +64,45 @@ def tables_fingerprint() -> str:
     return ";".join(chains)
 
 
+def memory_plans(graphs: dict, export: dict, opts: Options) -> dict[str, dict[str, dict]]:
+    """The static memory plan's size per phase and input shape, computed at build time by running each graph on
+    meta tensors (shapes only; kernels' torch forms): decode at every batch bucket (the artifact's full context
+    capacity, as the runtime allocates it with graphs on), prefill at one sequence of export.prefill_chunk tokens.
+    {phase: {shape: {peak_bytes, lower_bound_bytes, buffers, without_reuse_bytes}}}."""
+    import torch
+
+    from kimi_compile.backends.cuda.onnx_ops import torch_dtype
+    from kimi_compile.backends.cuda.program import Program
+
+    mb = -(-int(export["max_seq_len"]) // int(export["block_size"]))
+    cases = {"decode": [(b, 1) for b in opts.batch_buckets if b <= int(export["max_batch"])] or [(1, 1)],
+             "prefill": [(1, int(export["prefill_chunk"]))]}
+    out: dict[str, dict[str, dict]] = {}
+    for phase, m in graphs.items():
+        prog = Program(m, "meta", weights=False, kernel_device="cpu")
+        for B, T in cases.get(phase, []):
+            dims = {"batch": B, "seq": T, "max_blocks": mb, "num_blocks": B * mb + 1}
+            feeds = {v.name: torch.empty([d if isinstance(d, int) else dims[str(d)] for d in v.shape],
+                                         dtype=torch_dtype(v.dtype), device="meta") for v in m.graph.inputs}
+            prog.run(feeds)
+            spec = prog._specs[prog.signature(feeds)]
+            out.setdefault(phase, {})[f"{B}x{T}"] = spec.plan.summary()
+    return out
+
+
 def build(graphs: dict, out_dir: Path, opts: dict | None = None) -> dict[str, Any]:
     from kimi_compile.backends.cuda.program import Program
 
-    options(opts)  # validated here too: a bad option fails the build, not the first run
+    o = options(opts)  # validated here too: a bad option fails the build, not the first run
+    export = (opts or {}).get("_build", {}).get("export")
+    plans = memory_plans(graphs, export, o) if export else {}
 
     coverage = {phase: Program(m, "meta", weights=False, kernel_device="cuda").coverage()
                 for phase, m in graphs.items()}
     record = write_graphs(graphs, out_dir)
     record["_gpu_coverage"] = {phase: {"nodes": rows, "fallbacks": [r for r in rows if r["impl"] == "reference"]}
                                for phase, rows in coverage.items()}
+    record["_memory_plan"] = plans
     return record
 
 

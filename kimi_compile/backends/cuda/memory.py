@@ -48,7 +48,7 @@ class MemoryPlan:
 
     def summary(self) -> dict:
         return {"buffers": len(self.buffers), "peak_bytes": self.peak, "lower_bound_bytes": self.lower_bound,
-                "unplanned_bytes": sum(b.size for b in self.buffers)}
+                "without_reuse_bytes": sum(b.size for b in self.buffers)}
 
 
 def aligned(n: int) -> int:

@@ -46,6 +46,8 @@ class Step:
     reason: str = ""  # why a kimi.* node runs its reference
     inplace: dict = dataclasses.field(default_factory=dict)  # output position -> input position
     host_inputs: frozenset = frozenset()
+    stream: int = 0  # the stream the step runs on (node metadata kimi.stream, from the assign_streams pass)
+    waits: tuple[str, ...] = ()  # producers on other streams (kimi.wait): their events are waited on first
 
 
 def _attr_value(a: ir.Attr) -> Any:
@@ -142,8 +144,11 @@ class Program:
                     self.host_consts[i] = _to_torch(arr, v.dtype, torch.device("cpu"))
         self.steps: list[Step] = []
         for node in g:
-            self.steps.append(self._lower(node, len(self.steps), [vid(v) for v in node.inputs],
-                                          [vid(v) for v in node.outputs]))
+            step = self._lower(node, len(self.steps), [vid(v) for v in node.inputs], [vid(v) for v in node.outputs])
+            step.stream = int(node.metadata_props.get("kimi.stream", 0))
+            step.waits = tuple(w for w in node.metadata_props.get("kimi.wait", "").split(",") if w)
+            self.steps.append(step)
+        self.streams = 1 + max((st.stream for st in self.steps), default=0)
         self.outputs = [(v.name, vid(v)) for v in g.outputs]
         self._check_inplace()
         self._specs: dict[tuple, Specialized] = {}
@@ -302,6 +307,8 @@ class Specialized:
                 env[o] = t
                 shapes[o] = (tuple(t.shape), t.dtype)
         self.steps = steps
+        self.multi_stream = prog.device.type == "cuda" and prog.streams > 1
+        self._streams_setup()
         self.first_outputs = {name: env[i] for name, i in prog.outputs}
         for i, t in self.static.items():  # device copies of every static value now: a captured run must not copy
             if i not in self._static_dev:
@@ -336,6 +343,12 @@ class Specialized:
         end = len(self.steps)
         for _, i in self.prog.outputs:
             last[base.get(i, i)] = end
+        if self.multi_stream:  # a buffer read or written on a side stream is never reused (its readers may still run
+            for s in self.steps:  # when a later step on another stream would write its bytes)
+                if s.stream:
+                    for i in (*s.inputs, *s.outputs):
+                        if i is not None:
+                            last[base.get(i, i)] = end
         self.base = base
         return last
 
@@ -383,18 +396,57 @@ class Specialized:
         return [None if i is None else (self.static[i] if p in s.host_inputs else env[i])
                 for p, i in enumerate(s.inputs)]
 
+    def _streams_setup(self) -> None:
+        """Side streams, one event per step another stream waits for, and per step the events it waits on."""
+        if not self.multi_stream:
+            return
+        pos = {s.name: k for k, s in enumerate(self.steps)}
+        self.side = [torch.cuda.Stream(device=self.prog.device) for _ in range(self.prog.streams - 1)]
+        self.wait_on = [[pos[w] for w in s.waits if w in pos] for s in self.steps]  # static producers: no event
+        needed = {k for ws in self.wait_on for k in ws}
+        self.events = {k: torch.cuda.Event() for k in needed}
+        self.fork = torch.cuda.Event()
+        self.joins = [torch.cuda.Event() for _ in self.side]
+
+    def _step(self, s: Step, env: list) -> None:
+        outs = s.fn(self._args(s, env), s.attrs)
+        slots = self.slots
+        for o, t in zip(s.outputs, outs):
+            slot = slots.get(o)
+            if slot is not None:
+                if t is not slot:
+                    slot.copy_(t)
+                t = slot
+            env[o] = t
+
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         env = self._env(feeds)
-        slots = self.slots
-        for s in self.steps:
-            outs = s.fn(self._args(s, env), s.attrs)
-            for o, t in zip(s.outputs, outs):
-                slot = slots.get(o)
-                if slot is not None:
-                    if t is not slot:
-                        slot.copy_(t)
-                    t = slot
-                env[o] = t
+        if not self.multi_stream:
+            for s in self.steps:
+                self._step(s, env)
+            return {name: env[i] for name, i in self.prog.outputs}
+        main = torch.cuda.current_stream(self.prog.device)
+        streams = [main, *self.side]
+        self.fork.record(main)
+        for st in self.side:  # side streams start after everything queued before this step (input copies, ...)
+            st.wait_event(self.fork)
+        for k, s in enumerate(self.steps):
+            st = streams[s.stream]
+            for d in self.wait_on[k]:
+                st.wait_event(self.events[d])
+            with torch.cuda.stream(st):
+                self._step(s, env)
+            if s.stream:  # tensors a side stream allocated and others read: the allocator must not reuse them early
+                for o in s.outputs:
+                    t = env[o]
+                    if isinstance(t, torch.Tensor) and t.is_cuda and o not in self.slots:
+                        t.record_stream(main)
+            ev = self.events.get(k)
+            if ev is not None:
+                ev.record(st)
+        for st, ev in zip(self.side, self.joins):  # join: the step ends when every stream has
+            ev.record(st)
+            main.wait_event(ev)
         return {name: env[i] for name, i in self.prog.outputs}
 
     # CUDA graphs -----------------------------------------------------------------------------------------------
