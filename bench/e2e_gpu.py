@@ -20,11 +20,9 @@ Like against like, every row says its launch mode:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from kimi_compile.build import build  # noqa: E402
 from kimi_compile.recipe import load_recipe  # noqa: E402
@@ -66,20 +65,9 @@ def log(*a):
 
 
 def meta() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout)
-    vers = {"torch": torch.__version__}
-    for mod in ("triton", "onnx", "onnx_ir", "fla"):
-        try:
-            vers[mod] = __import__(mod).__version__
-        except Exception as e:  # noqa: BLE001
-            vers[mod] = f"not available ({type(e).__name__})"
-    dev = torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke run)"
-    cap = list(torch.cuda.get_device_capability()) if DEV == "cuda" else None
-    return {"device": dev, "capability": cap,
-            "versions": vers, "commit": os.environ.get("KIMI_COMMIT") or commit or "unknown",
-            "dirty": dirty if commit else os.environ.get("KIMI_DIRTY", "unknown"),
-            "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    from run_info import run_info
+
+    return run_info("torch", "triton", "onnx", "onnx-ir", "fla-core", "kimi-compile")
 
 
 def save(path: str) -> None:
