@@ -55,6 +55,7 @@ DEFAULT_MAX_BYTES = 20 * 1024**3
 ENV_ROOT = "KIMI_COMPILE_CACHE"
 ENV_READONLY = "KIMI_COMPILE_CACHE_READONLY"
 ENV_MAX_BYTES = "KIMI_COMPILE_CACHE_MAX_BYTES"
+DEPENDS = "depends.json"  # an entry may list files of other entries it reads (kimi_compile/graph_io.py)
 META = "meta.json"
 _ARCHIVE_TOP = "kimi-compile-cache"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -167,6 +168,14 @@ def _entry_problem(entry: Path, stage: str | None = None, key: str | None = None
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict):
         return "meta.json has no files table"
+    if (entry / DEPENDS).is_file():  # files of other entries this one reads (shared weights): all still there?
+        try:
+            depends = json.loads((entry / DEPENDS).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            return f"{DEPENDS} is unreadable ({e})"
+        gone = [d for d in depends if not os.path.isfile(d)]
+        if gone:
+            return f"it reads {gone[0]}, which is gone (evicted or removed)"
     if stage is not None and (meta.get("stage") != stage or meta.get("key") != key):
         return f"meta.json names {meta.get('stage')}/{meta.get('key')}"
     for rel, info in files.items():
@@ -235,6 +244,8 @@ class CompileCache:
         self.verify_hashes = verify_hashes
         # hits/misses seen by this instance, {stage: {"hits": n, "misses": n}} (the build's report uses it)
         self.session: dict[str, dict[str, int]] = {}
+        self._in_use: set[Path] = set()  # entries used inside `pinned()`: not evicted until it exits
+        self._pins = 0
         self._scratch: list[Path] = []
 
     # -- paths ---------------------------------------------------------------------------------------------------
@@ -299,7 +310,21 @@ class CompileCache:
             return None, problem
         return entry, None
 
+    @contextlib.contextmanager
+    def pinned(self) -> Iterator[None]:
+        """Within the block, no entry it uses is evicted (a build reads weights that later entries share with
+        earlier ones until it has written its artifact)."""
+        self._pins += 1
+        try:
+            yield
+        finally:
+            self._pins -= 1
+            if not self._pins:
+                self._in_use.clear()
+
     def _touch(self, entry: Path) -> None:
+        if self._pins:
+            self._in_use.add(entry)
         if self.read_only:
             return
         with contextlib.suppress(OSError):
@@ -349,6 +374,8 @@ class CompileCache:
                 _rmtree(tmp)
                 raise
         self._record(stage, hit=False)
+        if self._pins:
+            self._in_use.add(final)
         self.evict(protect=final)
         return final, False
 
@@ -501,7 +528,7 @@ class CompileCache:
             for _used, stage, key, entry, size in sorted(entries, key=lambda e: (e[0], e[1], e[2])):
                 if total <= self.max_bytes:
                     break
-                if protect is not None and entry == protect:
+                if (protect is not None and entry == protect) or entry in self._in_use:
                     continue
                 with self._lock(f"{stage}/{key}", blocking=False) as got:
                     if not got:  # being rebuilt right now

@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 DATA = "weights.data"
 SHARED = "shared.json"
+DEPENDS = "depends.json"  # = kimi_compile.cache.DEPENDS: the files of other entries this one reads
 ALIGN = 64
 INLINE = 1024  # bytes: smaller constants stay inside the .onnx file
 
@@ -65,6 +66,8 @@ def save(models: dict[str, ir.Model], d: Path, share_root: Path | None = None) -
                                                   name=key, base_dir=r["dir"])
             (d / f"{name}.onnx").write_bytes(ir.to_proto(m).SerializeToString())
     (d / SHARED).write_text(json.dumps(shared))
+    files = sorted({os.path.join(r["dir"], r["file"]) for refs in shared.values() for r in refs.values()})
+    (d / DEPENDS).write_text(json.dumps(files))  # the cache treats this entry as gone once one of these is
 
 
 def load(d: Path, name: str) -> ir.Model:
