@@ -97,8 +97,10 @@ def build(recipe, model_dir, backend, target, out_dir, verify):
 @click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
 @click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
 @click.option("--seed", type=int, default=None)
+@click.option("--speculative", help="Speculative decoding, METHOD:K: ngram:4 (prompt lookup, up to 4 draft tokens a "
+              "step) or draft:4:DRAFT_ARTIFACT; --json adds per-request acceptance statistics.")
 @click.option("--json", "as_json", is_flag=True)
-def run(artifact, prompt_ids, max_new_tokens, temperature, seed, as_json):
+def run(artifact, prompt_ids, max_new_tokens, temperature, seed, speculative, as_json):
     """Generate tokens from ARTIFACT."""
     from kimi_compile.runtime import load
 
@@ -112,9 +114,12 @@ def run(artifact, prompt_ids, max_new_tokens, temperature, seed, as_json):
             raise click.BadParameter("a prompt is empty", param_hint="--prompt-ids")
         prompts.append(ids)
     sess = load(artifact)
-    out = sess.generate(prompts, max_new_tokens, temperature=temperature, seed=seed)
+    out = sess.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, speculative=speculative)
     if as_json:
-        click.echo(json.dumps({"tokens": out[0] if len(out) == 1 else out, "prompts": prompts}))
+        doc = {"tokens": out[0] if len(out) == 1 else out, "prompts": prompts}
+        if speculative:
+            doc["speculative"] = {**out.batch, "requests": out.stats}
+        click.echo(json.dumps(doc))
     else:
         for p, o in zip(prompts, out):
             click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, o))}")

@@ -161,9 +161,12 @@ class Session:
         return self._run("decode", ids, np.ones(ids.shape[0], dtype=np.int64), cache)[:, 0]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True) -> list[list[int]]:
+                 top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True,
+                 speculative=None) -> list[list[int]]:
         """Greedy (temperature 0) or seeded sampling for a batch of prompts of different lengths. A request longer
-        than the artifact's export.max_seq_len (prompt + new tokens) is refused with the numbers."""
+        than the artifact's export.max_seq_len (prompt + new tokens) is refused with the numbers. `speculative`
+        ({"method": "ngram", "k": 4}, or "ngram:4"): speculative decoding (runtime/speculative.py), same output
+        distribution; the returned list then carries per-request acceptance `stats`."""
         if max_new_tokens < 0:
             raise RuntimeInputError(f"max_new_tokens: expected >= 0, got {max_new_tokens}")
         prompts = [list(p) for p in prompts]
@@ -173,6 +176,11 @@ class Session:
         if need > self.max_seq_len:
             raise RuntimeInputError(f"prompt + max_new_tokens = {need} tokens exceed this artifact's "
                                     f"export.max_seq_len ({self.max_seq_len})")
+        if speculative:
+            from kimi_compile.runtime.speculative import generate as speculative_generate
+
+            return speculative_generate(self, prompts, max_new_tokens, speculative, temperature=temperature,
+                                        top_k=top_k, seed=seed, stop_at_eos=stop_at_eos)
         cache = self.new_cache(len(prompts), need)
         rng = np.random.default_rng(seed)
         last = self.prefill_last(prompts, cache)

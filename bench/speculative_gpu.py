@@ -1,0 +1,273 @@
+"""Speculative decoding on one GPU (issue 19): tokens/s of kimi-k3.1-small (cuda backend, bf16 + layered quantization,
+decode steps replayed as CUDA graphs, verification forwards captured per (batch bucket, length bucket)) with and
+without speculation, at B=1 and B=8, on a repetitive and a non-repetitive prompt set; writes JSON.
+
+    KIMI_COMMIT=$(git rev-parse HEAD) python bench/speculative_gpu.py --out $OUT/speculative_gpu.json
+        [--artifact DIR] [--model HF_DIR] [--sections build,verify,sets,oracle] [--batches 1,8] [--k 4]
+        [--new-tokens 256] [--prompt-len 1024] [--oracle 0,0.3,0.6,0.8,0.9,1.0] [--oracle-k 2,4,7]
+        [--verify-t 1,2,3,4,5,8,16] [--reps 3]
+
+Sections (every case records its wall-clock medians over --reps runs after one warm-up run that captures):
+  build   recipes/kimi-k3.1-small-cuda.yaml with backend.options.prefill_graphs on (verification forwards run from
+          captured graphs, one per (batch bucket, power-of-two length)); --model DIR builds a real checkpoint
+  verify  one verification forward (the prefill graph at start > 0) at T tokens per sequence against one decode
+          step, B = 1 and 8, at --prompt-len context: the cost model's verify_cost and token_cost (in decode steps,
+          fitted), and whether the prefill graph serves as the verification graph or a dedicated one must be built
+  sets    plain greedy decoding vs speculative={"method": "ngram", "k": K} (adaptive, the default) and the same
+          without adaptation, per prompt set and batch: decode tokens/s (prefill time subtracted), acceptance,
+          forwards, speedup; speculative greedy output must equal plain (recorded)
+  oracle  a drafter that knows the plain continuation and keeps each draft token with probability alpha: tokens/s
+          against alpha and k, whatever the weights make of the prompts (non-adaptive, so k is what is measured)
+
+Targets (issue 19): repetitive set >= 1.8x plain tokens/s with prompt-lookup acceptance >= 0.6; non-repetitive
+set >= 0.95x (adaptation turns drafting off). Random weights (no --model, no tokenizer) ignore a prompt's
+structure: the id sets are then a repeated motif and uniform ids, and what acceptance they get says little; the
+oracle section gives the speedup at a given acceptance. A checkpoint with a tokenizer turns the text sets on.
+Not run yet: written and smoke-run on CPU tensors only (tiny artifact); see docs/speculative.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from run_info import run_info  # noqa: E402
+
+from kimi_compile.build import build  # noqa: E402
+from kimi_compile.recipe import load_recipe, with_overrides  # noqa: E402
+from kimi_compile.runtime import load  # noqa: E402
+from kimi_compile.runtime import speculative as sp  # noqa: E402
+
+RECIPE = ROOT / "recipes" / "kimi-k3.1-small-cuda.yaml"
+RESULT: dict = {"cases": []}
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run of the logic on a tiny artifact
+
+TEXT_SETS = {
+    "repetitive": [
+        "Rename the variable `count` to `total` everywhere in this function and print the whole function:\n\n"
+        "def tally(items):\n    count = 0\n    for item in items:\n        if item.valid:\n"
+        "            count += item.n\n        else:\n            count -= 1\n    print('count', count)\n"
+        "    return count\n",
+        "Continue the list in the same format up to item 40:\n1. apple - red - 3\n2. banana - yellow - 5\n"
+        "3. cherry - red - 7\n4. date - brown - 9\n5. elder - black - 11\n",
+        'Extract name, email and city of every person as JSON lines:\n{"name": "Ana Li", "email": "ana@x.org", '
+        '"city": "Oslo", "age": 31}\n{"name": "Bo Chen", "email": "bo@y.net", "city": "Lima", "age": 45}\n'
+        '{"name": "Cy Dorn", "email": "cy@z.io", "city": "Pune", "age": 28}\n',
+        "Convert these SQL rows to Python dict literals, one per line:\n(1, 'alpha', 0.5)\n(2, 'beta', 0.25)\n"
+        "(3, 'gamma', 0.125)\n(4, 'delta', 0.0625)\n",
+    ],
+    "non_repetitive": [
+        "Write a short story about a lighthouse keeper who finds a map.",
+        "Explain why the sky appears blue, for a ten-year-old.",
+        "Give three arguments for and against remote work.",
+        "Describe the taste of a fruit that does not exist.",
+    ],
+}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def save(path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(RESULT, f, indent=1)
+    os.replace(tmp, path)
+
+
+def prompt_sets(sess, n: int, length: int, seed: int = 0) -> dict[str, list[list[int]]]:
+    """Per set, n prompts of token ids: the text sets through the artifact's tokenizer, else ids of `length`
+    tokens (a repeated 24-token motif, and uniform ids)."""
+    if getattr(sess, "tokenizer", None) is not None:
+        return {name: [sess.encode(texts[i % len(texts)], chat=True) for i in range(n)]
+                for name, texts in TEXT_SETS.items()}
+    rng = np.random.default_rng(seed)
+    V = sess.vocab_size
+    rep = [np.tile(rng.integers(3, V, 24), length // 24 + 1)[:length].tolist() for _ in range(n)]
+    return {"repetitive": rep, "non_repetitive": [rng.integers(3, V, length).tolist() for _ in range(n)]}
+
+
+def timed(fn, reps: int) -> tuple[float, object]:
+    """Median seconds of fn() over reps runs after one warm-up run (captures graphs); -> (seconds, last result)."""
+    out = fn()
+    ts = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), out
+
+
+def decode_rate(sess, prompts, new: int, reps: int, spec=None) -> dict:
+    """Decode tokens/s after the first token: generate(new) minus generate(1) (prefill and first pick)."""
+    t_first, _ = timed(lambda: sess.generate(prompts, 1, stop_at_eos=False), reps)
+    t_all, out = timed(lambda: sess.generate(prompts, new, stop_at_eos=False, speculative=spec), reps)
+    row = {"seconds": t_all, "prefill_seconds": t_first,
+           "tokens_per_s": len(prompts) * (new - 1) / max(t_all - t_first, 1e-9), "tokens": [list(x) for x in out]}
+    if spec is not None:
+        st = out.stats
+        prop = sum(s["proposed"] for s in st)
+        row.update(acceptance=sum(s["accepted"] for s in st) / prop if prop else None,
+                   per_request=st, forwards=out.batch["forwards"], checkpoint_rows=out.batch["checkpoint_rows"])
+    return row
+
+
+class OracleDrafter(sp.Drafter):
+    """Drafts the plain greedy continuation; each draft token is kept with probability alpha (else replaced by
+    another id, which ends the accepted prefix), so the acceptance per token is alpha."""
+
+    def __init__(self, prompts, want, alpha: float, vocab: int, seed: int = 0):
+        self.prompts, self.want, self.alpha, self.vocab = prompts, want, alpha, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, contexts, ks):
+        out = []
+        for b, (c, k) in enumerate(zip(contexts, ks)):
+            i = len(c) - len(self.prompts[b])
+            d = list(self.want[b][i:i + k])
+            for j in range(len(d)):
+                if self.rng.random() >= self.alpha:
+                    d[j] = (d[j] + 1) % self.vocab
+            out.append(d)
+        return out, [None] * len(ks)
+
+
+def verify_costs(sess, B: int, ctx: int, ts: list[int], reps: int) -> dict:
+    """Seconds of one forward at T tokens per sequence (T = 1: the decode graph; T >= 2: the prefill graph as
+    verification) at `ctx` tokens of context, rolled back after each; relative to the decode step, with a linear
+    fit rel(T) = a + b T over T >= 2: verify_cost = a + b - 1, token_cost = b."""
+    rng = np.random.default_rng(1)
+    cache = sess.new_cache(B, ctx + max(ts) + 1)
+    sess.prefill_last([rng.integers(3, sess.vocab_size, ctx).tolist() for _ in range(B)], cache)
+    base = cache.seq_lens.copy()
+    rows = {}
+    for T in ts:
+        feeds = [rng.integers(3, sess.vocab_size, T).tolist() for _ in range(B)]
+
+        def step():
+            sp.forward(sess, cache, feeds)
+            for b in range(B):
+                cache.blocks.truncate(b, int(base[b]))
+        rows[T], _ = timed(step, reps * 4)
+    dec = rows.get(1)
+    out = {"seconds": {str(t): s for t, s in rows.items()}}
+    if dec:
+        rel = {t: s / dec for t, s in rows.items()}
+        out["relative_to_decode"] = {str(t): r for t, r in rel.items()}
+        pts = [(t, r) for t, r in rel.items() if t >= 2]
+        if len(pts) >= 2:
+            b, a = np.polyfit([p[0] for p in pts], [p[1] for p in pts], 1)
+            out["fit"] = {"verify_cost": float(a + b - 1), "token_cost": float(b)}
+    return out
+
+
+OPTIONS = {  # flag: default (the lists are comma-separated)
+    "--sections": "build,verify,sets,oracle", "--batches": "1,8", "--k": 4, "--new-tokens": 256,
+    "--prompt-len": 1024, "--oracle": "0,0.3,0.6,0.8,0.9,1.0", "--oracle-k": "2,4,7", "--verify-t": "1,2,3,4,5,8,16",
+    "--reps": 3, "--artifact": str(ROOT / "artifacts" / "kimi-k3.1-small-cuda-spec"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", help="HF checkpoint directory (default: the preset's random weights)")
+    for flag, default in OPTIONS.items():
+        ap.add_argument(flag, default=default, type=type(default))
+    a = ap.parse_args()
+    secs = set(a.sections.split(","))
+    RESULT.update(run_info("torch", "triton", "onnx", "onnx-ir"))
+    RESULT["model"] = f"checkpoint {a.model}" if a.model else "kimi-k3.1-small (random weights, seed 0)"
+    RESULT["targets"] = {"repetitive_speedup": 1.8, "repetitive_acceptance": 0.6, "non_repetitive_speedup": 0.95}
+    art = a.artifact
+
+    def guarded(name, fn, **where):
+        try:
+            row = fn()
+            RESULT["cases"].append({"section": name, **where, **row})
+            log(json.dumps({"section": name, **where, **{k: v for k, v in row.items() if k != "tokens"}})[:600])
+        except Exception as e:  # noqa: BLE001  (a failing case is recorded, the run goes on)
+            traceback.print_exc()
+            RESULT["cases"].append({"section": name, **where, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        save(a.out)
+
+    if "build" in secs:
+        r = load_recipe(RECIPE)
+        opts = {**r.to_dict()["backend"]["options"], "prefill_graphs": True}
+        r = with_overrides(r, backend_options=opts, checkpoint=a.model)
+        t0 = time.perf_counter()
+        res = build(r, art)
+        RESULT["build"] = {"seconds": round(time.perf_counter() - t0, 1), "cache": res.cache_hits,
+                           "backend_options": opts}
+        save(a.out)
+    sess = load(art)
+    batches = [int(x) for x in a.batches.split(",") if x]
+    if "verify" in secs:
+        ts = [int(x) for x in a.verify_t.split(",") if x]
+        for B in batches:
+            guarded("verify", lambda: verify_costs(sess, B, a.prompt_len, ts, a.reps), batch=B, context=a.prompt_len)
+    sets = prompt_sets(sess, max(batches), a.prompt_len)
+    RESULT["prompt_sets"] = {k: [len(p) for p in v] for k, v in sets.items()}
+    plain: dict = {}
+    for B in batches:
+        for name, prompts in sets.items():
+            ps = prompts[:B]
+            guarded("sets", lambda: decode_rate(sess, ps, a.new_tokens, a.reps), set=name, batch=B, mode="plain")
+            plain[(name, B)] = RESULT["cases"][-1]
+            if "sets" not in secs:
+                continue
+            for adaptive in (True, False):
+                spec = {"method": "ngram", "k": a.k, "adaptive": adaptive}
+
+                def run_spec():
+                    row = decode_rate(sess, ps, a.new_tokens, a.reps, spec)
+                    base = plain[(name, B)]
+                    row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if "tokens_per_s" in base else None
+                    row["equal_to_plain"] = row.pop("tokens") == base.get("tokens")
+                    return row
+                guarded("sets", run_spec, set=name, batch=B, mode="ngram", k=a.k, adaptive=adaptive)
+    if "oracle" in secs:
+        for B in batches:
+            base = plain.get(("non_repetitive", B), {})
+            if "tokens" not in base:
+                continue
+            ps = sets["non_repetitive"][:B]
+            for k in [int(x) for x in a.oracle_k.split(",") if x]:
+                for alpha in [float(x) for x in a.oracle.split(",") if x]:
+                    def run_oracle():
+                        spec = {"method": OracleDrafter(ps, base["tokens"], alpha, sess.vocab_size), "k": k,
+                                "adaptive": False}
+                        row = decode_rate(sess, ps, a.new_tokens, a.reps, spec)
+                        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+                        row["equal_to_plain"] = row.pop("tokens") == base["tokens"]
+                        row["expected_tokens_per_step"] = sp.expected_tokens(alpha, k)
+                        return row
+                    guarded("oracle", run_oracle, batch=B, k=k, alpha=alpha)
+    save(a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,578 @@
+"""Speculative decoding over a Session: a drafter proposes up to k tokens per sequence, one forward of the target
+scores them all, the acceptance rule keeps a prefix, and the caches roll back to it. The output distribution is the
+target model's: greedy output is plain greedy decoding's, sampled output follows the target's distribution exactly.
+
+One step for sequence b (cache length c_b = tokens the KDA state has absorbed, u_b = tokens after it, the last of
+which is the token emitted last; drafts d_1..d_n):
+
+    feed  = tokens[c_b:] + [d_1..d_n]                the prefill graph at start = c_b (T = u_b + n >= 1, ragged)
+    logits at the last n + 1 positions               -> targets for d_1..d_n and the bonus token
+    accept a drafts (greedy: longest matching prefix; sampling: min(1, p/q), residual resample on reject)
+    a == n:  the state is exact: c_b += u_b + n     (nothing to undo)
+    a <  n:  KDA conv/recurrent state rows <- the checkpoint taken before the forward; MLA latent and index-K
+             rows roll back by length (BlockAllocator.truncate frees blocks past c_b); the accepted tokens stay
+             in tokens[c_b:] and are replayed at the head of the next step's feed
+
+Replay is deferred into the next verification forward instead of a forward of its own: the recurrence absorbs the
+accepted tokens exactly as the plain prefill graph would (same graph, same start, causal positions), and the cost of
+a step stays one forward of a few more tokens. The feed is capped at 2 (k + 1) tokens: a sequence whose replay backlog
+reaches it drafts nothing that step, which commits it. Rows with drafts take a checkpoint (a copy of their conv and
+state rows) only when their state moved since the last one. A step where no row has drafts or backlog runs the
+decode graph (T = 1), so speculation turned off costs nothing.
+
+Per sequence, an `AdaptiveK` controller turns the draft length down (to 0: off, with a 1-token probe every
+`probe_every` steps) when the estimated per-token acceptance makes drafting unprofitable under a cost model of the
+verify forward (`verify_cost`, `token_cost`, in decode steps; their values are to be measured on the GPU:
+bench/speculative_gpu.py). docs/speculative.md has the design, the cache bytes per method and what was not run.
+
+Drafters: `NgramDrafter` (prompt lookup: the latest earlier occurrence of the longest suffix n-gram of the
+prompt and output so far), `ModelDrafter` (any artifact with the same vocabulary, e.g. a tiny one; its own cache
+rolls back the same way). Imports no torch: tensors are handled by duck typing (numpy arrays or torch tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+METHODS = ("ngram", "draft")
+
+
+# ---- configuration ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """`generate(..., speculative=...)`: a dict of these fields, a `SpecConfig`, or the CLI string `ngram:K` /
+    `draft:K:ARTIFACT`."""
+
+    method: Any = "ngram"  # "ngram" | "draft" | a Drafter instance
+    k: int = 4  # most draft tokens per step and sequence
+    adaptive: bool = True  # per-sequence draft length from the measured acceptance (False: always k)
+    max_ngram: int = 3  # ngram: longest suffix n-gram looked up
+    min_ngram: int = 1  # ngram: shortest
+    draft: Any = None  # draft: an artifact directory or a loaded Session
+    verify_cost: float = 0.15  # a verification forward over a decode step, in decode steps (to be measured)
+    token_cost: float = 0.05  # each further token of a verification forward, in decode steps (to be measured)
+    probe_every: int = 8  # a sequence turned off drafts 1 token every this many steps
+    decay: float = 0.8  # per observation: weight kept by the acceptance estimate's history
+
+    def __post_init__(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"speculative.k: expected an int >= 1, got {self.k!r}")
+        if isinstance(self.method, str) and self.method not in METHODS:
+            raise ValueError(f"speculative.method: expected one of {', '.join(METHODS)} or a Drafter, "
+                             f"got {self.method!r}")
+        if self.method == "draft" and self.draft is None:
+            raise ValueError("speculative.draft: method 'draft' needs a draft artifact directory (or Session)")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ValueError(f"speculative.min_ngram/max_ngram: expected 1 <= min <= max, got {self.min_ngram}, "
+                             f"{self.max_ngram}")
+        if not 0 <= self.decay < 1 or self.probe_every < 1:
+            raise ValueError(f"speculative.decay in [0, 1) and probe_every >= 1 expected, got {self.decay}, "
+                             f"{self.probe_every}")
+
+
+def parse_spec(spec: Any) -> SpecConfig:
+    """`SpecConfig` from a dict, a SpecConfig, or `METHOD:K` (`ngram:4`, `draft:4:path/to/artifact`)."""
+    if isinstance(spec, SpecConfig):
+        return spec
+    if isinstance(spec, str):
+        method, _, rest = spec.partition(":")
+        k_text, _, draft = rest.partition(":")
+        try:
+            k = int(k_text) if k_text else SpecConfig.k
+        except ValueError:
+            raise ValueError(f"speculative: expected METHOD:K (ngram:4 or draft:4:ARTIFACT), got {spec!r}") from None
+        return SpecConfig(method=method, k=k, draft=draft or None)
+    if isinstance(spec, dict):
+        known = {f.name for f in dataclasses.fields(SpecConfig)}
+        bad = sorted(set(spec) - known)
+        if bad:
+            raise ValueError(f"speculative: unknown keys {bad}; expected some of {sorted(known)}")
+        return SpecConfig(**spec)
+    raise ValueError(f"speculative: expected a dict, a SpecConfig or 'METHOD:K', got {type(spec).__name__}")
+
+
+# ---- acceptance -------------------------------------------------------------------------------------------------
+
+def probabilities(logits: np.ndarray, temperature: float, top_k: int | None) -> np.ndarray:
+    """Sampling distribution over the last axis: softmax(logits / temperature) over the top_k largest (float64)."""
+    z = np.asarray(logits, dtype=np.float64) / temperature
+    if top_k:
+        cut = np.partition(z, -top_k, axis=-1)[..., -top_k, None]
+        z = np.where(z < cut, -np.inf, z)
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def accept_greedy(targets: Sequence[int], drafts: Sequence[int]) -> tuple[int, list[int]]:
+    """targets[i] = argmax after draft i (len(drafts) + 1 of them) -> (accepted, emitted): the longest prefix of
+    drafts equal to the targets, then the target after it (the bonus token)."""
+    a = 0
+    while a < len(drafts) and int(drafts[a]) == int(targets[a]):
+        a += 1
+    return a, [int(d) for d in drafts[:a]] + [int(targets[a])]
+
+
+def accept_probability(p: np.ndarray, q: np.ndarray | None, d: int) -> float:
+    """min(1, p(d) / q(d)); q None: the draft was certain (q(d) = 1)."""
+    qd = 1.0 if q is None else float(q[d])
+    return 1.0 if qd <= 0 else min(1.0, float(p[d]) / qd)
+
+
+def residual(p: np.ndarray, q: np.ndarray | None, d: int) -> np.ndarray:
+    """Distribution to resample from after rejecting d: max(p - q, 0), normalized (q None: a point mass at d)."""
+    r = np.array(p, dtype=np.float64)
+    if q is None:
+        r[d] = 0.0
+    else:
+        r = np.maximum(r - q, 0.0)
+    s = r.sum()
+    return r / s if s > 0 else np.asarray(p, dtype=np.float64)
+
+
+def accept_sampling(p: np.ndarray, q: np.ndarray | None, drafts: Sequence[int],
+                    rng: np.random.Generator) -> tuple[int, list[int]]:
+    """Speculative sampling: p [n + 1, V] target distributions after each draft prefix, q [n, V] the drafter's
+    (None: deterministic drafts) -> (accepted, emitted). Draft i is kept with probability min(1, p_i/q_i); the
+    first rejected one is replaced by a sample of the normalized residual max(p_i - q_i, 0); when all are kept a
+    bonus token is sampled from p_n. Each emitted token then follows p exactly."""
+    for i, d in enumerate(drafts):
+        qi = None if q is None else q[i]
+        if rng.random() >= accept_probability(p[i], qi, int(d)):
+            r = residual(p[i], qi, int(d))
+            return i, [int(x) for x in drafts[:i]] + [int(rng.choice(len(r), p=r))]
+    n = len(drafts)
+    return n, [int(x) for x in drafts] + [int(rng.choice(p.shape[-1], p=p[n]))]
+
+
+# ---- drafters ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Sampling:
+    temperature: float
+    top_k: int | None
+    rng: np.random.Generator
+
+
+class Drafter:
+    """Proposes draft tokens. `start` once per batch; `propose(contexts, ks)` -> (drafts, q): for sequence b at
+    most ks[b] tokens following contexts[b] (prompt + output so far), and the distributions they were drawn from
+    ([n_b, V], or None for deterministic drafts)."""
+
+    def start(self, batch_size: int, capacity: int, sampling: Sampling) -> None:
+        pass
+
+    def propose(self, contexts: Sequence[Sequence[int]], ks: Sequence[int]
+                ) -> tuple[list[list[int]], list[np.ndarray | None]]:
+        raise NotImplementedError
+
+
+def ngram_lookup(context: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Prompt lookup: the up to k tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    (max_ngram down to min_ngram) of `context`; [] when none occurs."""
+    ctx = np.asarray(context, dtype=np.int64)
+    L = len(ctx)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[:L - 1], n)  # starts 0..L-1-n: never the suffix
+        hits = np.flatnonzero((windows == ctx[L - n:]).all(axis=1))
+        if hits.size:
+            i = int(hits[-1]) + n
+            return ctx[i:i + k].tolist()
+    return []
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, contexts, ks):
+        return ([ngram_lookup(c, k, self.max_ngram, self.min_ngram) if k > 0 else [] for c, k in zip(contexts, ks)],
+                [None] * len(ks))
+
+
+class ModelDrafter(Drafter):
+    """Drafts with another compiled model (same vocabulary) decoding autoregressively from its own cache. Its
+    KDA state is checkpointed after absorbing the real tokens and restored before the next proposal (its drafts
+    pollute it); its MLA rows roll back by length."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def start(self, batch_size, capacity, sampling):
+        self.sampling = sampling
+        self.cache = self.session.new_cache(batch_size, capacity)
+        self.rollback = RowCheckpoint(self.session, self.cache)
+        self.polluted = np.zeros(batch_size, dtype=bool)
+
+    def _pick(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        s = self.sampling
+        if s.temperature <= 0:
+            return logits.argmax(-1), None
+        q = probabilities(logits, s.temperature, s.top_k)
+        return np.array([s.rng.choice(q.shape[-1], p=row) for row in q]), q
+
+    def propose(self, contexts, ks):
+        B = len(contexts)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        qs: list[list] = [[] for _ in range(B)]
+        rows = [b for b in range(B) if ks[b] > 0]
+        if not rows:
+            return drafts, [None] * B
+        cache, seq = self.cache, self.cache.seq_lens
+        undo = [b for b in rows if self.polluted[b]]
+        self.rollback.restore(undo)
+        for b in undo:
+            cache.blocks.truncate(b, int(self.rollback.length[b]))
+        self.polluted[undo] = False
+        feeds = [list(contexts[b][int(seq[b]):]) if b in rows else [] for b in range(B)]
+        last = absorb(self.session, cache, feeds)  # the state is now exact at every drafting row
+        self.rollback.take(rows)
+        tok, q = self._pick(last)
+        for i in range(max(ks)):
+            for b in rows:
+                if ks[b] > i:
+                    drafts[b].append(int(tok[b]))
+                    if q is not None:
+                        qs[b].append(q[b])
+            if i == max(ks) - 1:
+                break
+            grow = [b for b in rows if ks[b] > i + 1]
+            ids = np.array([[drafts[b][-1] if b in grow else 0] for b in range(B)], dtype=np.int64)
+            lens = np.array([int(b in grow) for b in range(B)], dtype=np.int64)
+            logits = self.session._run("decode", ids, lens, cache)[:, 0]
+            self.polluted[grow] = True
+            tok, q = self._pick(self.session._host(logits))
+        return drafts, [np.stack(x) if x else None for x in qs]
+
+
+def drafter_for(cfg: SpecConfig, vocab_size: int) -> Drafter:
+    if isinstance(cfg.method, Drafter):
+        return cfg.method
+    if cfg.method == "ngram":
+        return NgramDrafter(cfg.max_ngram, cfg.min_ngram)
+    sess = cfg.draft
+    if isinstance(sess, (str, Path)):
+        from kimi_compile.runtime.session import load
+
+        sess = load(sess)
+    if sess.vocab_size != vocab_size:
+        raise ValueError(f"speculative.draft: the draft model's vocabulary ({sess.vocab_size}) differs from the "
+                         f"target's ({vocab_size}); a draft model must share the tokenizer")
+    return ModelDrafter(sess)
+
+
+# ---- rollback state ---------------------------------------------------------------------------------------------
+
+def _clone(t):
+    return t.clone() if hasattr(t, "clone") else t.copy()
+
+
+class RowCheckpoint:
+    """A copy of the per-sequence caches (KDA conv windows and recurrent states: every cache whose first dim is the
+    batch) for chosen rows, with the cache length it was taken at. Paged pools are not copied: they roll back by
+    length."""
+
+    def __init__(self, session, cache):
+        self.cache = cache
+        self.names = [c["name"] for c in session.runtime["caches"] if c["shape"][0] == "batch"]
+        self.saved: dict = {}
+        self.length = np.zeros(cache.rows, dtype=np.int64)
+        self.copies = 0  # rows copied (taken or restored), for the statistics
+
+    def take(self, rows: Sequence[int]) -> None:
+        if not rows:
+            return
+        idx = list(rows)
+        for n in self.names:
+            t = self.cache.tensors[n]
+            if n not in self.saved:
+                self.saved[n] = _clone(t)
+            else:
+                self.saved[n][idx] = t[idx]
+        self.length[idx] = self.cache.seq_lens[idx]
+        self.copies += len(idx)
+
+    def restore(self, rows: Sequence[int]) -> None:
+        """State rows back to the checkpoint, in place (a captured graph keeps reading the same tensors)."""
+        if not rows:
+            return
+        idx = list(rows)
+        for n in self.names:
+            self.cache.tensors[n][idx] = self.saved[n][idx]
+        self.copies += len(idx)
+
+
+def _t_bucket(T: int, static: bool) -> int:
+    """Padded step length: at least 2 (the prefill graph's minimum); a power of two with static shapes (one
+    captured program per (batch bucket, length bucket))."""
+    T = max(T, 2)
+    return 1 << (T - 1).bit_length() if static else T
+
+
+def forward(session, cache, feeds: Sequence[Sequence[int]]):
+    """One forward: feeds[b] (any length >= 0) appended to sequence b at its cache length. The decode graph when
+    no row has more than one token, else the prefill graph. -> (logits [B, T, V] where the executor keeps them,
+    phase)."""
+    lens = np.array([len(f) for f in feeds], dtype=np.int64)
+    if lens.max() <= 1:
+        phase, T = "decode", 1
+    else:
+        phase, T = "prefill", _t_bucket(int(lens.max()), getattr(session.backend, "static_shapes", False))
+    ids = np.zeros((len(feeds), T), dtype=np.int64)
+    for b, f in enumerate(feeds):
+        ids[b, :len(f)] = f
+    return session._run(phase, ids, lens, cache), phase
+
+
+def absorb(session, cache, feeds: Sequence[Sequence[int]]) -> np.ndarray:
+    """Append feeds in chunks of at most export.prefill_chunk tokens; -> host logits [B, V] after each row's last
+    fed token (zeros for rows fed nothing)."""
+    chunk = int(session.runtime.get("prefill_chunk") or max(len(f) for f in feeds) or 1)
+    last = np.zeros((len(feeds), session.vocab_size), dtype=np.float32)
+    for off in range(0, max(len(f) for f in feeds), chunk):
+        part = [list(f[off:off + chunk]) for f in feeds]
+        logits, _ = forward(session, cache, part)
+        host = session._host(logits)
+        for b, p in enumerate(part):
+            if p and off + len(p) == len(feeds[b]):
+                last[b] = host[b, len(p) - 1]
+    return last
+
+
+# ---- the per-sequence draft length ------------------------------------------------------------------------------
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens emitted by a step of k drafts each accepted with probability alpha (i.i.d.): 1 + alpha + ... +
+    alpha^k."""
+    return float(k + 1) if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class AdaptiveK:
+    """Per sequence: the draft length k_b in 0..k that maximizes expected tokens per unit of step cost, where a
+    decode step costs 1 and a verification step with k drafts 1 + verify_cost + k token_cost; the acceptance alpha
+    is estimated from the drafts seen (accepted ones are successes, a rejection one failure; exponentially
+    forgotten; prior 3:1). k_b = 0 turns drafting off; a 1-token probe every probe_every steps keeps measuring."""
+
+    def __init__(self, cfg: SpecConfig, rows: int):
+        self.cfg = cfg
+        self.success = np.full(rows, 3.0)
+        self.failure = np.ones(rows)
+        self.off = np.zeros(rows, dtype=np.int64)
+
+    def alpha(self, b: int) -> float:
+        return float(self.success[b] / (self.success[b] + self.failure[b]))
+
+    def best_k(self, alpha: float) -> int:
+        c = self.cfg
+
+        def gain(k: int) -> float:
+            return expected_tokens(alpha, k) / (1 + (c.verify_cost + k * c.token_cost if k else 0))
+        return max(range(c.k + 1), key=lambda k: (gain(k), -k))
+
+    def current(self, b: int) -> int:
+        """The draft length the estimate gives now (k when not adaptive)."""
+        return self.best_k(self.alpha(b)) if self.cfg.adaptive else self.cfg.k
+
+    def choose(self, b: int) -> int:
+        """The draft length of the next step (counts steps off for the probe)."""
+        k = self.current(b)
+        if not self.cfg.adaptive:
+            return k
+        if k:
+            self.off[b] = 0
+            return k
+        self.off[b] += 1
+        return 1 if self.off[b] % self.cfg.probe_every == 0 else 0
+
+    def update(self, b: int, proposed: int, accepted: int) -> None:
+        if proposed:
+            d = self.cfg.decay ** proposed
+            self.success[b] = d * self.success[b] + accepted
+            self.failure[b] = d * self.failure[b] + (accepted < proposed)
+
+
+# ---- the generation loop ----------------------------------------------------------------------------------------
+
+class Generation(list):
+    """generate()'s token lists, with `stats`, per request: proposed / accepted draft tokens and their ratio
+    (acceptance), tokens emitted, steps (forwards after the prompt's), spec_steps (those with drafts),
+    tokens_per_step (tokens after the first per step: 1.0 is plain decoding), rollbacks, replayed (tokens fed again
+    after a rollback), k_mean / k_final (draft length chosen), off_steps (steps with drafting off); and `batch`:
+    method, k, adaptive, forwards per phase, checkpoint_rows (state rows copied)."""
+
+    stats: list[dict]
+    batch: dict
+
+
+class SpeculativeBatch:
+    """The speculative state of one batch over a target Session: its cache, each sequence's tokens, the state
+    checkpoint, the drafter and the controller. `step()` runs one draft-verify-accept round; `flush()` absorbs
+    every pending token (the state then equals plain decoding's after the same tokens)."""
+
+    def __init__(self, session, prompts: list[list[int]], max_new_tokens: int, cfg: SpecConfig, *,
+                 temperature: float = 0.0, top_k: int | None = None, rng: np.random.Generator | None = None,
+                 stop_at_eos: bool = True):
+        self.s, self.cfg = session, cfg
+        self.B, self.max_new = len(prompts), max_new_tokens
+        self.sampling = Sampling(temperature, top_k, rng or np.random.default_rng())
+        self.stop_at_eos = stop_at_eos
+        self.max_feed = 2 * (cfg.k + 1)
+        need = max(len(p) for p in prompts) + max_new_tokens
+        self.cache = session.new_cache(self.B, need)
+        self.ckpt = RowCheckpoint(session, self.cache)
+        self.fresh = np.zeros(self.B, dtype=bool)  # checkpoint row == state row (state did not move since)
+        self.tokens = [list(p) for p in prompts]
+        self.out: list[list[int]] = [[] for _ in prompts]
+        self.done = np.zeros(self.B, dtype=bool)
+        self.ctl = AdaptiveK(cfg, self.B)
+        self.drafter = drafter_for(cfg, session.vocab_size)
+        self.drafter.start(self.B, need, self.sampling)
+        self.forwards = {"prefill": 0, "decode": 0}
+        keys = ("proposed", "accepted", "steps", "spec_steps", "rollbacks", "replayed", "off_steps", "k_sum")
+        self.st = [dict.fromkeys(keys, 0) for _ in prompts]
+        self.done[:] = max_new_tokens == 0
+        if max_new_tokens > 0:
+            last = session.prefill_last(prompts, self.cache)
+            first = session._pick(last, temperature, top_k, self.sampling.rng)
+            for b in range(self.B):
+                self._emit(b, [int(first[b])])
+
+    def _emit(self, b: int, toks: list[int]) -> None:
+        for t in toks:
+            if self.done[b]:
+                return
+            self.tokens[b].append(t)
+            self.out[b].append(t)
+            if len(self.out[b]) >= self.max_new or (
+                    self.stop_at_eos and self.s.eos_token_id is not None and t == self.s.eos_token_id):
+                self.done[b] = True
+
+    def _draft_lengths(self) -> list[int]:
+        seq = self.cache.seq_lens
+        ks = []
+        for b in range(self.B):
+            if self.done[b]:
+                ks.append(0)
+                continue
+            pending = len(self.tokens[b]) - int(seq[b])
+            k = self.ctl.choose(b)
+            self.st[b]["off_steps"] += k == 0
+            self.st[b]["k_sum"] += k
+            ks.append(max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending)))
+        return ks
+
+    def step(self) -> None:
+        seq = self.cache.seq_lens
+        ks = self._draft_lengths()
+        drafts, qs = self.drafter.propose(self.tokens, ks)
+        drafts = [list(d[:k]) for d, k in zip(drafts, ks)]
+        feeds = [[] if self.done[b] else self.tokens[b][int(seq[b]):] + drafts[b] for b in range(self.B)]
+        start = seq[: self.B].copy()
+        self.ckpt.take([b for b in range(self.B) if drafts[b] and not self.fresh[b]])
+        self.fresh[[b for b in range(self.B) if drafts[b]]] = True
+        logits, phase = forward(self.s, self.cache, feeds)
+        self.forwards[phase] += 1
+        greedy = self.sampling.temperature <= 0
+        picks = self.s._host(logits.argmax(-1)) if greedy else None
+        host = None if greedy else self.s._host(logits)
+        undo = []
+        for b in range(self.B):
+            if self.done[b]:
+                continue
+            n, u = len(drafts[b]), len(feeds[b]) - len(drafts[b])
+            rows = slice(u - 1, u + n)
+            if greedy:
+                a, emitted = accept_greedy(picks[b, rows], drafts[b])
+            else:
+                p = probabilities(host[b, rows], self.sampling.temperature, self.sampling.top_k)
+                q = qs[b][:n] if qs[b] is not None else None
+                a, emitted = accept_sampling(p, q, drafts[b], self.sampling.rng)
+            st = self.st[b]
+            st["steps"] += 1
+            st["replayed"] += u - 1
+            if n:
+                st["spec_steps"] += 1
+                st["proposed"] += n
+                st["accepted"] += a
+                self.ctl.update(b, n, a)
+            if a < n:  # drafts past a are in the state: back to the checkpoint, replay the accepted next step
+                undo.append(b)
+                st["rollbacks"] += 1
+                self.cache.blocks.truncate(b, int(start[b]))
+            else:
+                self.fresh[b] = False
+            self._emit(b, emitted)
+        self.ckpt.restore(undo)
+
+    def flush(self) -> None:
+        """Absorb every token not yet in the caches (the last emitted ones and any replay backlog)."""
+        seq = self.cache.seq_lens
+        absorb(self.s, self.cache, [self.tokens[b][int(seq[b]):] for b in range(self.B)])
+        self.fresh[:] = False
+
+    def run(self) -> Generation:
+        while not self.done.all():
+            self.step()
+        return self.result()
+
+    def result(self) -> Generation:
+        out = Generation(self.out)
+        out.stats = []
+        for b, st in enumerate(self.st):
+            steps, after_first = st["steps"], max(len(self.out[b]) - 1, 0)
+            out.stats.append({
+                "proposed": st["proposed"], "accepted": st["accepted"],
+                "acceptance": round(st["accepted"] / st["proposed"], 4) if st["proposed"] else None,
+                "tokens": len(self.out[b]), "steps": steps, "spec_steps": st["spec_steps"],
+                "tokens_per_step": round(after_first / steps, 4) if steps else None,
+                "rollbacks": st["rollbacks"], "replayed": st["replayed"],
+                "k_mean": round(st["k_sum"] / steps, 3) if steps else None,
+                "k_final": self.ctl.current(b), "off_steps": st["off_steps"],
+            })
+        method = self.cfg.method if isinstance(self.cfg.method, str) else type(self.cfg.method).__name__
+        out.batch = {"method": method, "k": self.cfg.k, "adaptive": self.cfg.adaptive,
+                     "forwards": dict(self.forwards), "checkpoint_rows": self.ckpt.copies}
+        return out
+
+
+def generate(session, prompts: list[list[int]], max_new_tokens: int, speculative: Any, *, temperature: float = 0.0,
+             top_k: int | None = None, seed: int | None = None, stop_at_eos: bool = True) -> Generation:
+    """Session.generate with speculative decoding (the session has checked the prompts and the limits)."""
+    cfg = parse_spec(speculative)
+    return SpeculativeBatch(session, prompts, max_new_tokens, cfg, temperature=temperature, top_k=top_k,
+                            rng=np.random.default_rng(seed), stop_at_eos=stop_at_eos).run()
+
+
+# ---- cache bytes per method -------------------------------------------------------------------------------------
+
+def rollback_bytes(cfg, k: int, block_size: int = 64) -> dict[str, int]:
+    """Extra cache bytes per sequence that speculation with k draft tokens needs, from a model config
+    (kimi_compile.config.KimiConfig), with the graphs' cache layouts (trace_spec.cache_specs: fp32 KDA states):
+
+    checkpoint_replay  this module: one copy of every KDA conv window and recurrent state (independent of k), plus
+                       the replay backlog's token ids (at most 2 (k + 1) int64)
+    per_slot           one state slot per draft position (vLLM's spec_state_indices): k more recurrent states per KDA
+                       layer, and conv windows k rows longer (W - 1 + k)
+    paged_rows         both: the MLA latent and index-K rows the k drafts occupy until they are accepted or
+                       truncated (what a block holds is rounded up by the allocator; this counts rows)"""
+    from kimi_compile.trace_spec import cache_specs
+
+    state = conv_row = paged = 0
+    for s in cache_specs(cfg, block_size):
+        per = math.prod(s.shape[1:]) * np.dtype(s.dtype).itemsize
+        if s.kind == "state":
+            state += per
+        elif s.kind == "conv":
+            conv_row += per // s.shape[1]
+        else:
+            paged += per // block_size
+    W1 = cfg.short_conv_kernel_size - 1
+    return {"checkpoint_replay": state + W1 * conv_row + 2 * (k + 1) * 8,
+            "per_slot": k * (state + conv_row),
+            "paged_rows": k * paged}
