@@ -1,0 +1,81 @@
+"""Where the tokens of a context-parallel prefill live (DESIGN.md §3 "Parallelism", docs/context_parallel.md).
+
+A sequence of L new tokens is cut into `chunks(world, layout)` contiguous chunks of near-equal size (chunk i holds
+tokens [i*L // n, (i+1)*L // n): sizes differ by at most one, any L, empty chunks when L < n). Rank r holds
+`rank_chunks(world, layout, r)`:
+
+    zigzag      2P chunks; rank r holds chunk r and chunk 2P-1-r (an early and a late chunk: under a causal mask
+                every rank attends over about the same number of keys)
+    contiguous  P chunks; rank r holds chunk r (for comparison: the last rank does about (2P-1)/P of the mean work)
+
+A rank's rows are its pieces, piece-major: local row j*B + b is sequence b's chunk rank_chunks(...)[j]. Gathered
+across the ranks in rank order (kimi.AllGather on axis 0), row q*R + j*B + b (R = rows per rank) is rank q's piece;
+`gathered_order` lists, per sequence, those rows in chunk order. `split` then `restore` is the identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def _check(world: int, layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"parallel.cp_layout: expected one of {LAYOUTS}, got {layout!r}")
+    if world < 1:
+        raise ValueError(f"parallel.cp: expected a positive number of ranks, got {world}")
+
+
+def chunks(world: int, layout: str) -> int:
+    """How many chunks a sequence is cut into."""
+    _check(world, layout)
+    return 2 * world if layout == "zigzag" else world
+
+
+def bounds(length: int, world: int, layout: str) -> list[tuple[int, int]]:
+    """[(start, stop)] of every chunk of a sequence of `length` tokens, in sequence order."""
+    n = chunks(world, layout)
+    return [(i * length // n, (i + 1) * length // n) for i in range(n)]
+
+
+def rank_chunks(world: int, layout: str, rank: int) -> tuple[int, ...]:
+    """The chunks rank `rank` holds, in its piece order."""
+    _check(world, layout)
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside cp={world}")
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def pieces_per_rank(world: int, layout: str) -> int:
+    return len(rank_chunks(world, layout, 0))
+
+
+def gathered_order(world: int, layout: str, batch: int) -> list[list[int]]:
+    """Per sequence b (of `batch` per rank), the rows of the all-gathered piece tensor that hold its chunks 0, 1, ...
+    in sequence order (rows per rank: pieces_per_rank * batch)."""
+    npieces = pieces_per_rank(world, layout)
+    R = npieces * batch
+    where = {}
+    for q in range(world):
+        for j, c in enumerate(rank_chunks(world, layout, q)):
+            where[c] = (q, j)
+    return [[where[c][0] * R + where[c][1] * batch + b for c in range(chunks(world, layout))] for b in range(batch)]
+
+
+def split(seq: Sequence, world: int, layout: str) -> list[list]:
+    """The pieces of one sequence per rank: out[r][j] = seq[chunk rank_chunks(r)[j]] (slices of `seq`)."""
+    bs = bounds(len(seq), world, layout)
+    return [[seq[bs[c][0]:bs[c][1]] for c in rank_chunks(world, layout, r)] for r in range(world)]
+
+
+def restore(pieces: Sequence[Sequence], world: int, layout: str) -> list:
+    """The inverse of `split`: the sequence from every rank's pieces (as a list of items)."""
+    by_chunk = {}
+    for r in range(world):
+        for j, c in enumerate(rank_chunks(world, layout, r)):
+            by_chunk[c] = pieces[r][j]
+    out: list = []
+    for c in range(chunks(world, layout)):
+        out.extend(list(by_chunk[c]))
+    return out
