@@ -1,7 +1,9 @@
 """Where the tokens of a context-parallel prefill live (DESIGN.md §3 "Parallelism", docs/context_parallel.md).
 
 A sequence of L new tokens is cut into `chunks(world, layout)` contiguous chunks of near-equal size (chunk i holds
-tokens [i*L // n, (i+1)*L // n): sizes differ by at most one, any L, empty chunks when L < n). Rank r holds
+tokens [ceil(i*L/n), ceil((i+1)*L/n)): sizes differ by at most one, any L; when L < n the empty chunks are the last
+ones, so a piece that starts the sequence is never empty: every piece row has at least one key to attend). Rank r
+holds
 `rank_chunks(world, layout, r)`:
 
     zigzag      2P chunks; rank r holds chunk r and chunk 2P-1-r (an early and a late chunk: under a causal mask
@@ -36,7 +38,7 @@ def chunks(world: int, layout: str) -> int:
 def bounds(length: int, world: int, layout: str) -> list[tuple[int, int]]:
     """[(start, stop)] of every chunk of a sequence of `length` tokens, in sequence order."""
     n = chunks(world, layout)
-    return [(i * length // n, (i + 1) * length // n) for i in range(n)]
+    return [(-(-i * length // n), -(-(i + 1) * length // n)) for i in range(n)]
 
 
 def rank_chunks(world: int, layout: str, rank: int) -> tuple[int, ...]:

@@ -12,7 +12,9 @@ An OpDef carries:
 - ``reference``: a numpy or torch reference with the same semantics, for tests and verification;
 - ``kind``: who puts the op in a graph, one of KINDS: "fused" (a pass, in place of standard ops: fusions and
   relayouts; op coverage counts these), "primitive" (the trace: what tracing cannot express, such as paged cache
-  reads and writes), "quant" (the quantize pass: quantize / dequantize / fake-quant).
+  reads and writes), "quant" (the quantize pass: quantize / dequantize / fake-quant), "partition" (a partition
+  pass, in the per-rank graphs of a partitioned artifact only, between explicit collectives: ONNX Runtime refuses
+  those artifacts, so such an op may have no ONNX body; its reference and its cuda kernel define it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 DOMAIN = "kimi"
 ONNX_OPSET = 23  # default-domain opset of traced graphs and of every function body
-KINDS = ("fused", "primitive", "quant")
+KINDS = ("fused", "primitive", "quant", "partition")
 
 
 class UnknownOpError(KeyError):

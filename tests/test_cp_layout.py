@@ -20,6 +20,7 @@ def test_split_then_restore_is_the_identity(length, world, layout):
     assert cp_layout.restore(parts, world, layout) == seq
     sizes = [b - a for a, b in cp_layout.bounds(length, world, layout)]
     assert sum(sizes) == length and max(sizes) - min(sizes) <= 1  # near-equal chunks for any length
+    assert length == 0 or sizes[0] > 0  # the piece at position 0 is never empty
 
 
 @settings(max_examples=100, deadline=None)
@@ -41,7 +42,8 @@ def test_gathered_order_finds_every_chunk(world, layout, batch):
 def test_zigzag_rank_chunks():
     assert [cp_layout.rank_chunks(4, "zigzag", r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
     assert [cp_layout.rank_chunks(2, "contiguous", r) for r in range(2)] == [(0,), (1,)]
-    assert cp_layout.split(list(range(7)), 2, "zigzag") == [[[0], [5, 6]], [[1, 2], [3, 4]]]
+    assert cp_layout.split(list(range(7)), 2, "zigzag") == [[[0, 1], [6]], [[2, 3], [4, 5]]]
+    assert cp_layout.bounds(3, 2, "zigzag") == [(0, 1), (1, 2), (2, 3), (3, 3)]  # empty chunks last
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -53,9 +53,25 @@ def _recurrence(q, k, v, g, beta, state):
 def kda(x, a):
     (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
      o_norm, w_o) = x
+    q, k, v, g, beta = prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b,
+                               A_log, dt_bias, a)
     B, T, _ = h.shape
     H, D = A_log.numel(), o_norm.numel()
-    P, W = H * D, conv_q.shape[-1]
+    P, dt = H * D, h.dtype
+    o = _recurrence(q, k, v, g, beta, state).float()
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + a["eps"]) * o_norm.float()
+    gate = torch.sigmoid((h @ w_g.to(dt)).float().reshape(B, T, H, D))
+    out = (o * gate).reshape(B, T, P).to(dt) @ w_o.to(dt)
+    return out, conv_state, state
+
+
+def prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, A_log, dt_bias, a):
+    """The delta rule's inputs (q, k, v, g, beta) of a KDA layer; the conv window `conv_state` advances in place
+    (padding rows zero g and beta)."""
+    B, T, _ = h.shape
+    H = A_log.numel()
+    P, W = conv_q.shape[0], conv_q.shape[-1]
+    D = P // H
     dt = h.dtype
     w_qkv = _cat_once([w_q, w_k, w_v], 1)
     cw = _cat_once([conv_q, conv_k, conv_v], 0)
@@ -73,11 +89,7 @@ def kda(x, a):
     valid = (torch.arange(T, device=h.device).reshape(1, T) < lengths.reshape(B, 1)).float()
     g = g * valid.reshape(B, T, 1, 1)
     beta = beta * valid.reshape(B, T, 1)
-    o = _recurrence(q, k, v, g, beta, state).float()
-    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + a["eps"]) * o_norm.float()
-    gate = torch.sigmoid((h @ w_g.to(dt)).float().reshape(B, T, H, D))
-    out = (o * gate).reshape(B, T, P).to(dt) @ w_o.to(dt)
-    return out, conv_state, state
+    return q, k, v, g, beta
 
 
 CUDA = {"KDA": Kernel(kda, devices=("cuda", "cpu"), inplace={1: 1, 2: 2}, name="kda.triton_decode+fla_chunk")}
