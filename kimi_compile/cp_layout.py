@@ -13,6 +13,7 @@ holds
 A rank's rows are its pieces, piece-major: local row j*B + b is sequence b's chunk rank_chunks(...)[j]. Gathered
 across the ranks in rank order (kimi.AllGather on axis 0), row q*R + j*B + b (R = rows per rank) is rank q's piece;
 `gathered_order` lists, per sequence, those rows in chunk order. `split` then `restore` is the identity.
+`prefill_flops` / `balance_table`: the per-rank causal indexer + attention work each layout gives (a model).
 """
 
 from __future__ import annotations
@@ -81,3 +82,43 @@ def restore(pieces: Sequence[Sequence], world: int, layout: str) -> list:
     for c in range(chunks(world, layout)):
         out.extend(list(by_chunk[c]))
     return out
+
+
+def _keys(a: int, e: int, cap: int | None) -> int:
+    """Sum over positions t in [a, e) of the keys a causal query at t reads: t + 1, or min(t + 1, cap)."""
+    def upto(n: int) -> int:  # sum_{t < n} min(t + 1, cap)
+        if cap is None or n <= cap:
+            return n * (n + 1) // 2
+        return cap * (cap + 1) // 2 + (n - cap) * cap
+    return upto(e) - upto(a)
+
+
+def prefill_flops(cfg, length: int, world: int, layout: str) -> list[dict]:
+    """Per rank: indexer and sparse-attention FLOPs of one sequence of `length` tokens over the MLA layers of `cfg`
+    (a KimiConfig), under the causal mask (the indexer scores every earlier key: 2 * index_n_heads *
+    index_head_dim per key; the sparse attention reads min(t + 1, index_topk) latent keys: 2 * 2 * heads *
+    (kv_lora_rank + qk_rope_head_dim) per key, scores and values). A token-count model of the graphs' dominant
+    terms, not a measurement; projections and MoE are token-wise and split evenly by any layout."""
+    mla = cfg.num_hidden_layers - len(cfg.kda_layer_ids or [])
+    idx = 2 * cfg.index_n_heads * cfg.index_head_dim * mla
+    att = 4 * cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * mla
+    bs = bounds(length, world, layout)
+    out = []
+    for r in range(world):
+        mine = [bs[c] for c in rank_chunks(world, layout, r)]
+        out.append({"rank": r, "tokens": sum(e - a for a, e in mine),
+                    "indexer": idx * sum(_keys(a, e, None) for a, e in mine),
+                    "attention": att * sum(_keys(a, e, cfg.index_topk) for a, e in mine)})
+    return out
+
+
+def balance_table(cfg, lengths=(32768, 131072, 1048576), worlds=(2, 4, 8)) -> list[dict]:
+    """max/mean over ranks of indexer + attention FLOPs, per (length, cp, layout)."""
+    rows = []
+    for L in lengths:
+        for P in worlds:
+            for layout in LAYOUTS:
+                per = [r["indexer"] + r["attention"] for r in prefill_flops(cfg, L, P, layout)]
+                rows.append({"tokens": L, "cp": P, "layout": layout, "max_tflop": max(per) / 1e12,
+                             "mean_tflop": sum(per) / len(per) / 1e12, "max_over_mean": max(per) / (sum(per) / P)})
+    return rows

@@ -64,3 +64,21 @@ def test_zigzag_balances_causal_work(world):
 def test_bad_layout_names_the_recipe_key():
     with pytest.raises(ValueError, match="parallel.cp_layout"):
         cp_layout.chunks(2, "ring")
+
+
+def test_balance_table_at_full_size():
+    """Per-rank indexer + sparse-attention FLOPs of kimi-k3.1-pro (docs/context_parallel.md's table): zigzag near
+    1.0 at every length; contiguous approaches (2P-1)/P as the O(L^2) indexer dominates (1M tokens)."""
+    from kimi_compile.config import preset
+
+    rows = {(r["tokens"], r["cp"], r["layout"]): r for r in cp_layout.balance_table(preset("kimi-k3.1-pro"))}
+    assert len(rows) == 3 * 3 * 2
+    for (L, P, layout), r in rows.items():
+        if layout == "zigzag":
+            assert r["max_over_mean"] < (1.03 if L == 32768 else 1.003)
+        else:
+            assert 1.2 < r["max_over_mean"] < (2 * P - 1) / P
+    for P in (2, 4, 8):
+        assert abs(rows[(1048576, P, "contiguous")]["max_over_mean"] - (2 * P - 1) / P) < 0.05
+    per = cp_layout.prefill_flops(preset("kimi-k3.1-pro"), 1000, 2, "zigzag")
+    assert sum(r["tokens"] for r in per) == 1000
