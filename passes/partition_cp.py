@@ -17,7 +17,9 @@ The rules, keyed on ops (group "cp", world cp):
                    serves every layer); the new conv window and state are the sequence's, on every rank
     logits         the graph output `logits` all-gathered over the ranks' rows (the executor restores the order)
 
-Decode graphs (no dynamic sequence axis) stay whole: every rank runs the same decode on identical caches.
+Decode graphs (no dynamic sequence axis) stay whole: every rank runs the same decode on identical caches. After
+partition_tp (tp x cp), each tp rank's graph is split again: the rules never look at heads, and the collectives
+here use group "cp" (the ranks of one tp index; world rank = cp index * tp + tp index).
 
     before (one rank)                               after (rank r of P)
       o, c', s' = KDA(x, c, s, lengths, ...)          t = KDAConvTail(x, lengths, ...)
@@ -106,7 +108,7 @@ class PartitionCPPass(KimiPass):
                 stats.add("kda_layers")
         i, logits = outs["logits"]
         gathered = self._collective(logits, after=logits.producer(), name="logits.cp_gather")
-        logits.name = "logits.local"
+        logits.name = "logits.cp_local"
         gathered.name = "logits"
         g.outputs[i] = gathered
         attach_functions(model)

@@ -1,6 +1,7 @@
 """Context parallelism end to end on CPU (issue 18): the tiny presets' prefill split over cp ranks by the
-partition_cp pass (zigzag and contiguous), every rank in its own process (torch.multiprocessing, gloo), against the
-single-rank artifact of the same recipe in fp32. Prompts of 13, 7 and 3 tokens (none divides into 2P chunks; the
+partition_cp pass (cp2 zigzag and cp4 zigzag on kimi-k3.1-tiny, cp2 contiguous on kimi-k3-tiny, tp2 x cp2 on
+kimi-k3.1-tiny), every rank in its own process (torch.multiprocessing, gloo), against the single-rank artifact of
+the same recipe in fp32. Prompts of 13, 7 and 3 tokens (none divides into 2P chunks; the
 3-token prompt leaves chunks empty), then a second ragged prefill continuing them (start > 0), then 32 greedy
 decode steps: logits within 1e-5 relative (the last tokens' and every token's), the same tokens, and after each
 prefill every rank's caches equal the single-rank caches (KDA conv windows and states, the MLA latent and index-K
@@ -25,18 +26,23 @@ MORE = [[17, 18, 19, 20, 21], [23], [25, 26, 27, 28, 29, 30]]  # a second prefil
 STEPS = 32
 CASES = {  # name -> (preset, cp, layout)
     "k31-cp2": ("kimi-k3.1-tiny", 2, "zigzag"),
-    "k31-cp2-contiguous": ("kimi-k3.1-tiny", 2, "contiguous"),
-    "k3-cp2": ("kimi-k3-tiny", 2, "zigzag"),
+    "k3-cp2-contiguous": ("kimi-k3-tiny", 2, "contiguous"),
     "k31-cp4": ("kimi-k3.1-tiny", 4, "zigzag"),
+    "k31-tp2-cp2": ("kimi-k3.1-tiny", 2, "zigzag"),  # tp 2 x cp 2: four ranks
 }
+TP = {"k31-tp2-cp2": 2}
 
 
-def _recipe(preset: str, cp: int, layout: str):
+def _recipe(preset: str, cp: int, layout: str, tp: int = 1):
     from kimi_compile.recipe import load_recipe, with_overrides
 
     base = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-cp2.yaml"))
-    return with_overrides(base, name=f"{preset}-cp{cp}-{layout}", preset=preset, max_batch=4, cp=cp,
-                          cp_layout=layout)
+    return with_overrides(base, name=f"{preset}-tp{tp}-cp{cp}-{layout}", preset=preset, max_batch=4, cp=cp,
+                          cp_layout=layout, tp=tp)
+
+
+def _world(case: str) -> int:
+    return CASES[case][1] * TP.get(case, 1)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +56,7 @@ def artifacts(warm_cache, tmp_path_factory):
     for preset in sorted({p for p, _, _ in CASES.values()}):
         arts[f"{preset}-cp1"] = build(_recipe(preset, 1, "zigzag"), out / f"{preset}-cp1", cache=cache).artifact
     for name, (preset, cp, layout) in CASES.items():
-        arts[name] = build(_recipe(preset, cp, layout), out / name, cache=cache).artifact
+        arts[name] = build(_recipe(preset, cp, layout, TP.get(name, 1)), out / name, cache=cache).artifact
     return arts
 
 
@@ -131,8 +137,8 @@ def runs(artifacts):
 
     ref = {preset: _generate(load(artifacts[f"{preset}-cp1"])) for preset in {p for p, _, _ in CASES.values()}}
     out = {}
-    for world in sorted({cp for _, cp, _ in CASES.values()}):
-        names = [n for n, (_, cp, _) in CASES.items() if cp == world]
+    for world in sorted({_world(n) for n in CASES}):
+        names = [n for n in CASES if _world(n) == world]
         res = _run_ranks(world, [str(artifacts[n]) for n in names])
         out.update({n: {r: res[r][str(artifacts[n])] for r in res} for n in names})
     return out, ref
@@ -155,11 +161,33 @@ def test_cp_prefill_matches_the_single_rank_artifact(case, runs):
         assert got["tokens"].shape == (STEPS, len(PROMPTS))
 
 
+def _whole(case: str, ranks: dict) -> dict:
+    """{cp index: caches} with tensor-parallel shards put back together: KDA states concatenated over their heads,
+    conv windows per q / k / v part (partition_tp splits each by heads); pools are whole on every rank."""
+    tp = TP.get(case, 1)
+    out = {}
+    for c in range(CASES[case][1]):
+        group = [ranks[c * tp + t] for t in range(tp)]
+        res = dict(group[0])
+        for when in ("caches1", "caches2"):
+            res[when] = {}
+            for name, v in group[0][when].items():
+                parts = [g[when][name] for g in group]
+                if tp > 1 and name.startswith("state."):
+                    v = np.concatenate(parts, axis=1)
+                elif tp > 1 and name.startswith("conv."):
+                    v = np.concatenate([np.concatenate([np.split(p_, 3, axis=2)[i] for p_ in parts], axis=2)
+                                        for i in range(3)], axis=2)
+                res[when][name] = v
+        out[c] = res
+    return out
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_caches_after_cp_prefill_equal_single_rank(case, runs):
     out, ref = runs
     want = ref[CASES[case][0]]
-    for rank, got in out[case].items():
+    for rank, got in _whole(case, out[case]).items():
         for when in ("caches1", "caches2"):
             assert set(got[when]) == set(want[when])
             for name, w in want[when].items():
@@ -191,8 +219,8 @@ def test_recipe_refusals_name_the_key():
     from kimi_compile.recipe import RecipeError, with_overrides
 
     base = _recipe("kimi-k3.1-tiny", 2, "zigzag")
-    with pytest.raises(RecipeError, match=r"parallel.cp: cp=2 with tp=2: tp x cp is not implemented"):
-        with_overrides(base, tp=2)
+    with pytest.raises(RecipeError, match=r"parallel.sequence_parallel: sequence_parallel with cp=2 is not"):
+        with_overrides(base, tp=2, sequence_parallel=True)
     with pytest.raises(RecipeError, match=r"parallel.cp: cp=2 runs its ranks over torch.distributed on backend cuda"):
         with_overrides(base, backend="onnxruntime", target="cpu")
     with pytest.raises(RecipeError, match=r"parallel.cp_layout"):

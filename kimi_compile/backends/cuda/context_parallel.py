@@ -15,7 +15,8 @@ def run_prefill(ex, feeds: dict) -> dict:
     """One prefill step of a context-parallel artifact on rank `ex.rank` (feeds: tensors on its device)."""
     torch = ex.torch
     par = ex.manifest["parallel"]
-    world, layout, rank = int(par["cp"]), str(par.get("cp_layout", "zigzag")), int(ex.rank)
+    world, layout = int(par["cp"]), str(par.get("cp_layout", "zigzag"))
+    rank = int(ex.rank) // int(par.get("tp", 1))  # world rank = cp index * tp + tp index
     ids = feeds["input_ids"]
     start = feeds["start"]
     lengths = feeds["lengths"]
