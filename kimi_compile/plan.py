@@ -228,7 +228,7 @@ class Collective:
     op: str
     region: str
     role: str
-    elements: int  # of the tensor it moves, per token (per sequence for per-sequence exchanges)
+    elements: int | None  # of the tensor it moves, per token; None: its shape is unknown in the graph
     itemsize: int
     world: int
 
@@ -372,11 +372,12 @@ def _collectives(m, dmap: DimMap) -> list[Collective]:
         if n.domain != "kimi" or n.op_type not in COLLECTIVES:
             continue
         v = n.inputs[0] if n.op_type == "ReduceScatter" else n.outputs[0]  # the whole tensor
-        per_token = [d for d in v.shape if isinstance(d, int)]
+        shape = v.shape
         if n.op_type == "ReduceScatter" or (n.op_type == "AllGather" and
                                              n.metadata_props.get("kimi.partition_role") == "sp_entry"):
-            per_token = [d for d in n.outputs[0].shape if isinstance(d, int)]  # token axis symbolic, rest whole
-        elems = math.prod(dmap(d, n.name) for d in per_token)
+            shape = n.outputs[0].shape  # token axis symbolic, the rest whole
+        # a shape the passes left unknown: counted, its bytes not (the plan's notes say how many)
+        elems = None if shape is None else math.prod(dmap(d, n.name) for d in shape if isinstance(d, int))
         world = int(n.attributes["world"].value) if "world" in n.attributes else 1
         out.append(Collective(n.op_type, regions[where[n]][0], n.metadata_props.get("kimi.partition_role", ""),
                               elems, v.dtype.itemsize if v.dtype is not None else 4, world))
@@ -460,10 +461,15 @@ def _sum_collectives(cols: list[Collective], counts: dict[str, int], probe_count
         size = itemsize or c.itemsize
         row = out.setdefault(c.op, {"count": 0, "bytes": 0, "wire": 0.0})
         row["count"] += k
+        if c.elements is None:
+            row["unknown"] = row.get("unknown", 0) + k
+            continue
         row["bytes"] += k * c.elements * size
         row["wire"] += k * c.elements * size * c.wire_factor
     for row in out.values():
         row["count"] = round(row["count"])
+        if "unknown" in row:
+            row["unknown"] = round(row["unknown"])
         row["bytes"] = round(row["bytes"])
         row["wire"] = round(row["wire"])
     return out
@@ -486,6 +492,11 @@ def plan_layout(rank: RankGraphs, probe: KimiConfig, target: KimiConfig, lay: La
     isz = DTYPE_BYTES[act_dtype] if act_dtype else None
     decode = _sum_collectives(rank.decode, counts, pcounts, isz)
     prefill = _sum_collectives(rank.prefill, counts, pcounts, isz)
+    for phase, tbl in (("decode", decode), ("prefill", prefill)):
+        for op, row in tbl.items():
+            if row.get("unknown"):
+                notes.append(f"{phase}: {row['unknown']} of the {row['count']} {op} nodes have no shape in the "
+                             "partitioned graph; their bytes are not counted")
     prefill_seq: dict[str, dict] = {}
     cache_token: dict[str, int] = {}
     cache_seq: dict[str, int] = {}
@@ -552,12 +563,11 @@ def plan(recipe: Recipe, layouts: list[Layout] | None = None, *, cache=None, pro
 # ---- the table ---------------------------------------------------------------------------------------------------
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
-
-
-def _kib(n: float) -> str:
-    return f"{n / 2**10:,.1f} KiB"
+def _size(n: float) -> str:
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 2**k:
+            return f"{n / 2**k:,.2f} {unit}"
+    return f"{n:,.0f} B"
 
 
 def render(model: str, plans: list[LayoutPlan]) -> str:
@@ -570,31 +580,30 @@ def render(model: str, plans: list[LayoutPlan]) -> str:
 
     row("ranks", lambda p: str(p.layout.world))
     for dt in ("bf16", "fp8"):
-        row(f"weights ({dt})", lambda p, dt=dt: _gib(p.weight_bytes(dt)))
-    row("of which MoE layers (bf16)", lambda p: _gib(2 * p.weight_regions.get("moe", 0)))
-    row("of which routed experts (bf16)", lambda p: _gib(2 * p.expert_elements))
+        row(f"weights ({dt})", lambda p, dt=dt: _size(p.weight_bytes(dt)))
+    row("of which MoE layers (bf16)", lambda p: _size(2 * p.weight_regions.get("moe", 0)))
+    row("of which routed experts (bf16)", lambda p: _size(2 * p.expert_elements))
     row("weights, routed experts in MXFP4 (4.25 bits), rest bf16",
-        lambda p: _gib(2 * (p.weight_elements - p.expert_elements) + p.expert_elements * 4.25 / 8
+        lambda p: _size(2 * (p.weight_elements - p.expert_elements) + p.expert_elements * 4.25 / 8
                        + p.weight_other_bytes))
     for dt in ("bf16", "fp8"):
         row(f"KV cache per token ({dt}: MLA latent + index-K)",
-            lambda p, dt=dt: _kib(sum(p.cache_token.values()) * DTYPE_BYTES[dt]))
-    row("KDA state per sequence (fp32)", lambda p: f"{sum(p.cache_sequence.values()) * 4 / 2**20:,.1f} MiB")
+            lambda p, dt=dt: _size(sum(p.cache_token.values()) * DTYPE_BYTES[dt]))
+    row("KDA state per sequence (fp32)", lambda p: _size(sum(p.cache_sequence.values()) * 4))
     ops = sorted({op for p in plans for op in p.decode})
     for op in ops:
         row(f"decode step: {op} (count, payload/token)",
-            lambda p, op=op: f"{p.decode[op]['count']}, {_kib(p.decode[op]['bytes'])}" if op in p.decode else "-")
+            lambda p, op=op: f"{p.decode[op]['count']}, {_size(p.decode[op]['bytes'])}" if op in p.decode else "-")
     row("decode step: wire bytes per token per rank",
-        lambda p: _kib(sum(r["wire"] for r in p.decode.values())))
+        lambda p: _size(sum(r["wire"] for r in p.decode.values())))
     ops = sorted({op for p in plans for op in p.prefill})
     for op in ops:
         row(f"prefill token: {op} (count, payload)",
-            lambda p, op=op: f"{p.prefill[op]['count']}, {_kib(p.prefill[op]['bytes'])}" if op in p.prefill else "-")
-    row("prefill token: wire bytes per rank", lambda p: _kib(sum(r["wire"] for r in p.prefill.values())))
+            lambda p, op=op: f"{p.prefill[op]['count']}, {_size(p.prefill[op]['bytes'])}" if op in p.prefill else "-")
+    row("prefill token: wire bytes per rank", lambda p: _size(sum(r["wire"] for r in p.prefill.values())))
     if any(p.prefill_sequence for p in plans):
         row("prefill sequence: KDA state maps (cp)",
-            lambda p: f"{sum(r['bytes'] for r in p.prefill_sequence.values()) / 2**20:,.1f} MiB"
-            if p.prefill_sequence else "-")
+            lambda p: _size(sum(r["bytes"] for r in p.prefill_sequence.values())) if p.prefill_sequence else "-")
     notes = [f"- {p.layout.name}: {n}" for p in plans for n in p.notes]
     lines += ["", "Activations and collectives in bf16; caches per rank (heads split for KDA; the MLA latent and "
               "index-K pools whole on every rank). fp8 rows: 1 byte per element, scales not included."]
