@@ -14,7 +14,10 @@ Like against like, every row says its launch mode:
   ttft     prompt of N random tokens to its first token (chunked prefill of export.prefill_chunk tokens per step);
   accuracy the bf16 + quantized artifact against the fp32 reference on fixed prompts: teacher-forced top-1 agreement
            and logits relative error over --accuracy-steps greedy steps of the reference;
-  memory   torch.cuda.max_memory_allocated per case.
+  memory   torch.cuda.max_memory_allocated per case;
+  ort      baseline (section "ort", --ort-artifact DIR: an onnxruntime-backend artifact): its decode step through
+           ONNX Runtime's CUDA execution provider (onnxruntime-gpu), caches as host numpy arrays fed each step (the
+           runtime's ONNX Runtime path, no IO binding); the row names the providers that ran.
 """
 
 from __future__ import annotations
@@ -284,6 +287,24 @@ def accuracy(art: str, steps: int, n_prompts: int = 4) -> dict:
 
 # ---- main -------------------------------------------------------------------------------------------------------
 
+def ort_decode(art: str, B: int, ctx: int, steps: int) -> dict:
+    """Decode step of an onnxruntime artifact on ONNX Runtime's CUDA execution provider (CPU if it is absent)."""
+    sess = load(art, providers=["cuda", "cpu"])
+    cache = sess.new_cache(B, ctx + steps + 8)
+    rng = np.random.default_rng(0)
+    cache.reserve(np.full(B, ctx, dtype=np.int64))
+    cache.seq_lens = np.full(B, ctx, dtype=np.int64)
+    for name, t in cache.tensors.items():
+        t[...] = (rng.standard_normal(t.shape) * (0.02 if name.startswith("state") else 0.5)).astype(t.dtype)
+    state = {"tok": rng.integers(3, sess.vocab_size, B).tolist()}
+
+    def step():
+        state["tok"] = sess.decode(state["tok"], cache).argmax(-1).tolist()
+    us = time_steps(step, steps)
+    return {"median_us": statistics.median(us), "tokens_per_s": B * 1e6 / statistics.median(us),
+            "providers": sess.backend.providers, "notes": sess.backend.notes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -298,6 +319,7 @@ def main() -> None:
     ap.add_argument("--compile-mode", default="reduce-overhead,default")
     ap.add_argument("--compile-decode", default="1x32768,32x32768")
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "kimi-k3.1-small-cuda.yaml"))
+    ap.add_argument("--ort-artifact", default="", help="onnxruntime artifact for the ORT CUDA baseline (section ort)")
     a = ap.parse_args()
     global RECIPE, BLOCK
     RECIPE = Path(a.recipe)
@@ -359,6 +381,10 @@ def main() -> None:
         for n in ref_ttft_cases:
             guarded("ttft", lambda: ref_ttft(ref, n, chunk), impl="reference", mode="eager", prompt=n)
     del ref
+    if "ort" in secs and a.ort_artifact:
+        for B, ctx in decode:
+            guarded("decode", lambda: ort_decode(a.ort_artifact, B, ctx, a.steps), impl="onnxruntime",
+                    mode="cuda execution provider", batch=B, context=ctx)
     if "accuracy" in secs:
         guarded("accuracy", lambda: accuracy(art, a.accuracy_steps))
     save(a.out)

@@ -5,7 +5,14 @@ filesystem). The build adds files (`add_file`, or writes to `writer.path(rel)` d
 and `commit()` records every file's sha256 and size, writes manifest.json and the reports (renderers of the final
 manifest, kimi_compile.report), and renames the staged dir onto `out_dir`. Until then
 `out_dir` is untouched; an exception inside the `with` block removes the staged dir; a failed swap restores the
-previous artifact. No temp names ever appear at `out_dir` itself.
+previous artifact. No temp names ever appear at `out_dir` itself. The artifact's folders get the mode of any new
+folder (0777 less the umask), like the files in them.
+
+What may be replaced: nothing, an empty folder, or a kimi-compile artifact (a folder whose manifest.json has a
+schema_version and a files table). Any other folder is refused, never emptied (`check_out_dir`). The writer notes
+what `out_dir` held when it was created (or takes the note the build made when it started, `expect=`); at commit,
+under a lock on the parent folder, it refuses to replace an `out_dir` that changed since: of two builds into one
+`out_dir` at once, the first to commit wins whole and the other fails saying so, its staging removed.
 
 Reading: `load_manifest(artifact_dir)` refuses a missing, unparsable, newer-schema, tampered, truncated or
 incomplete artifact with an `ArtifactError` naming the artifact dir and the file.
@@ -33,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -44,7 +53,7 @@ from typing import Any
 
 from kimi_compile.cache import sha256_file
 
-__all__ = ["SCHEMA_VERSION", "ArtifactError", "ArtifactWriter", "load_manifest"]
+__all__ = ["SCHEMA_VERSION", "ArtifactError", "ArtifactWriter", "check_out_dir", "load_manifest"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -59,6 +68,46 @@ class ArtifactError(Exception):
         self.file = file
         where = f"{self.artifact_dir}/{file}" if file else self.artifact_dir
         super().__init__(f"artifact {where}: {message}")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def check_out_dir(out_dir: str | os.PathLike[str]) -> str | None:
+    """What `out_dir` holds, as a note a later commit compares against: None (nothing there), "empty", or
+    "artifact:<sha256 of its manifest.json>". Refuses (ArtifactError) a file, or a folder that is not an artifact."""
+    out = Path(out_dir)
+    if not out.exists() and not out.is_symlink():
+        return None
+    if out.is_symlink() or not out.is_dir():
+        raise ArtifactError(out, "exists and is not a directory; remove it or choose another --out")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return "empty"
+    try:
+        data = (out / MANIFEST).read_bytes()
+        manifest = json.loads(data)
+    except (OSError, ValueError):
+        manifest = None
+    if not (isinstance(manifest, dict) and "schema_version" in manifest and isinstance(manifest.get("files"), dict)):
+        shown = ", ".join(entries[:3]) + (f", ... ({len(entries)} entries)" if len(entries) > 3 else "")
+        raise ArtifactError(out, f"is not a kimi-compile artifact (it holds {shown} and no artifact manifest.json); "
+                            "refusing to replace it: choose another --out, or remove the folder yourself")
+    return "artifact:" + hashlib.sha256(data).hexdigest()
+
+
+@contextlib.contextmanager
+def _parent_lock(out_dir: Path):
+    """An exclusive flock on out_dir's parent folder (no lock file left behind), held while out_dir is swapped."""
+    fd = os.open(out_dir.resolve().parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _check_rel(rel_path: str | os.PathLike[str], where: str) -> str:
@@ -77,10 +126,15 @@ class ArtifactWriter:
             w.commit()                                                  # implicit at a clean exit of the block
     """
 
+    _NOW = object()
+
     def __init__(self, out_dir: str | os.PathLike[str],
-                 reports: Mapping[str, Callable[[Mapping[str, Any]], str]] | None = None):
-        """`reports` maps file names (report.md, ...) to renderers of the final manifest (kimi_compile.report)."""
+                 reports: Mapping[str, Callable[[Mapping[str, Any]], str]] | None = None, expect: Any = _NOW):
+        """`reports` maps file names (report.md, ...) to renderers of the final manifest (kimi_compile.report).
+        `expect`: what `check_out_dir(out_dir)` said when the work began (default: now); commit refuses if it
+        changed."""
         self.out_dir = Path(out_dir)
+        self.expect = check_out_dir(self.out_dir) if expect is ArtifactWriter._NOW else expect
         self.reports = dict(reports or {})
         self._reserved = {MANIFEST, *self.reports}
         self.manifest: dict[str, Any] = {}
@@ -99,6 +153,7 @@ class ArtifactWriter:
             try:
                 parent.mkdir(parents=True, exist_ok=True)
                 self._staging = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.staging-", dir=parent))
+                os.chmod(self._staging, 0o777 & ~_umask())  # mkdtemp makes it 0700
             except OSError as e:
                 raise ArtifactError(self.out_dir, f"cannot create the artifact's parent dir: {e}") from None
         return self._staging
@@ -129,6 +184,14 @@ class ArtifactWriter:
         dest = self.root / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         return dest
+
+    def _swap(self, staging: Path) -> None:
+        with _parent_lock(self.out_dir):
+            now = check_out_dir(self.out_dir)
+            if now != self.expect:
+                raise ArtifactError(self.out_dir, "another build replaced it while this one ran; that artifact is "
+                                    "kept and this build's output was discarded (build again to replace it)")
+            _swap_into_place(staging, self.out_dir)
 
     def add_file(
         self,
@@ -166,7 +229,7 @@ class ArtifactWriter:
         staging = self.root
         try:
             manifest = self._finish(staging)
-            _swap_into_place(staging, self.out_dir)
+            self._swap(staging)
         except BaseException:
             self.abort()
             raise

@@ -1,8 +1,9 @@
-"""`kimi-compile`: build, run, inspect, cache. A user error prints one clear line and exits 1; --debug shows the
-traceback."""
+"""`kimi-compile`: build, run, inspect, verify, debug, cache. A user error prints one clear line and exits 1;
+--debug shows the traceback."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -36,12 +37,27 @@ class _Group(click.Group):
 
 @click.group(cls=_Group)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
-@click.option("-v", "--verbose", is_flag=True, help="Log progress.")
+@click.option("-v", "--verbose", is_flag=True, help="Log kimi-compile's own steps (third-party loggers stay quiet).")
 @click.pass_context
 def main(ctx, debug, verbose):
     """kimi-compile: ahead-of-time compiler for Kimi K3 / K3.1."""
+    from kimi_compile.events import quiet_known_noise
+
     ctx.obj = {"debug": debug}
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger("kimi_compile").setLevel(logging.INFO if verbose else logging.WARNING)
+    quiet_known_noise()
+
+
+def _summary_table(summary: dict, title: str | None = None):
+    from rich.table import Table
+
+    t = Table(title=title, show_header=False, box=None, title_justify="left", padding=(0, 2, 0, 0))
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in summary.items():
+        t.add_row(k, v)
+    return t
 
 
 @main.command()
@@ -49,21 +65,20 @@ def main(ctx, debug, verbose):
 @click.option("--model", "model_dir", type=click.Path(file_okay=False), help="HF checkpoint directory.")
 @click.option("--backend", type=click.Choice(list(BACKENDS)), help="Override the backend.")
 @click.option("--target", help="Override the target (cpu for onnxruntime; a GPU arch such as sm89 for tensorrt).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Artifact directory (default artifacts/NAME).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Artifact directory (default artifacts/NAME); an existing one must be an artifact (replaced whole).")
 @click.option("--verify", is_flag=True, help="Check ONNX Runtime against the reference after every pass.")
-def build(recipe, model_dir, backend, target, out_dir, verify):
+@click.option("-q", "--quiet", is_flag=True, help="No progress and no summary; print only the artifact path.")
+@click.option("--log-json", "log_json", type=click.Path(dir_okay=False),
+              help="Write the build's events (stage start/end with times, then a summary) as JSON lines to FILE.")
+def build(recipe, model_dir, backend, target, out_dir, verify, quiet, log_json):
     """Build an artifact from RECIPE."""
-    import warnings
-
     from rich.console import Console
 
     from kimi_compile.build import build as do_build
+    from kimi_compile.events import BuildEvents, JsonLinesSink, ProgressSink
     from kimi_compile.recipe import load_recipe, with_overrides
 
-    warnings.filterwarnings("ignore")
-    for name in ("torch", "torch.onnx", "torch.onnx._internal.exporter._registration", "torch.export"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    logging.getLogger("onnx_ir").setLevel(logging.ERROR)
     r = load_recipe(recipe)
     changes = {}
     if model_dir:
@@ -80,32 +95,34 @@ def build(recipe, model_dir, backend, target, out_dir, verify):
         r = with_overrides(r, **changes)
     out = Path(out_dir or Path("artifacts") / r.name)
     console = Console(stderr=True)
-    with console.status("building") as status:
-        res = do_build(r, out, verify=verify, progress=lambda m: status.update(m))
-    m = res.manifest
-    nodes = ", ".join(f"{p} {g['node_count']} nodes" for p, g in m["graphs"].items())
-    console.print(f"[green]built[/] {out} ({nodes}; {m['build_seconds']} s; cache {res.cache_hits})")
-    if verify:
-        worst = max(v["rel_err"] for v in m["verify"])
-        console.print(f"verified against the reference after every pass: worst rel err {worst:.2e}")
+    events = BuildEvents()
+    jsonl = JsonLinesSink(log_json) if log_json else None
+    if jsonl:
+        events.sinks.append(jsonl)
+    progress = None if quiet else ProgressSink(console)
+    if progress:
+        events.sinks.append(progress)
+    try:
+        with progress or contextlib.nullcontext():
+            res = do_build(r, out, verify=verify, events=events)
+        if jsonl:
+            jsonl({"t": events.elapsed(), "event": "done", "artifact": str(out), "summary": res.manifest["summary"]})
+    finally:
+        if jsonl:
+            jsonl.close()
+    if not quiet:
+        m = res.manifest
+        console.print(f"[green]built[/] {out}")
+        console.print(_summary_table(m["summary"]))
+        if verify:
+            worst = max(v["rel_err"] for v in m["verify"])
+            console.print(f"verified against the reference after every pass: worst rel err {worst:.2e}")
     click.echo(str(out))
 
 
-@main.command()
-@click.argument("artifact", type=click.Path(file_okay=False))
-@click.option("--prompt-ids", required=True, help="Comma-separated token ids; several prompts separated by ';'.")
-@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--seed", type=int, default=None)
-@click.option("--speculative", help="Speculative decoding, METHOD:K: ngram:4 (prompt lookup, up to 4 draft tokens a "
-              "step) or draft:4:DRAFT_ARTIFACT; --json adds per-request acceptance statistics.")
-@click.option("--json", "as_json", is_flag=True)
-def run(artifact, prompt_ids, max_new_tokens, temperature, seed, speculative, as_json):
-    """Generate tokens from ARTIFACT."""
-    from kimi_compile.runtime import load
-
+def _parse_ids(text: str) -> list[list[int]]:
     prompts = []
-    for part in prompt_ids.split(";"):
+    for part in text.split(";"):
         try:
             ids = [int(x) for x in part.split(",") if x.strip()]
         except ValueError:
@@ -113,25 +130,71 @@ def run(artifact, prompt_ids, max_new_tokens, temperature, seed, speculative, as
         if not ids:
             raise click.BadParameter("a prompt is empty", param_hint="--prompt-ids")
         prompts.append(ids)
-    sess = load(artifact)
-    out = sess.generate(prompts, max_new_tokens, temperature=temperature, seed=seed, speculative=speculative)
+    return prompts
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--prompt", "texts", multiple=True,
+              help="A text prompt (repeat for a batch); needs an artifact built from a checkpoint with a tokenizer.")
+@click.option("--chat", is_flag=True, help="Wrap each --prompt as a user message in the checkpoint's chat template.")
+@click.option("--prompt-ids", help="Comma-separated token ids; several prompts separated by ';'.")
+@click.option("--max-new-tokens", default=16, show_default=True, type=click.IntRange(min=0))
+@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
+@click.option("--seed", type=int, default=None)
+@click.option("--providers", help="ONNX Runtime execution providers in order, e.g. cuda,cpu (onnxruntime artifacts; "
+              "default: the recipe's backend.options.providers).")
+@click.option("--speculative", help="Speculative decoding, METHOD:K: ngram:4 (prompt lookup, up to 4 draft tokens a "
+              "step) or draft:4:DRAFT_ARTIFACT; --json adds per-request acceptance statistics.")
+@click.option("--json", "as_json", is_flag=True, help="Print prompts, token ids and (with a tokenizer) text as JSON.")
+def run(artifact, texts, chat, prompt_ids, max_new_tokens, temperature, seed, providers, speculative, as_json):
+    """Generate from ARTIFACT: text with --prompt, token ids with --prompt-ids.
+
+    Limits: prompt + new tokens at most the artifact's export.max_seq_len per sequence, at most export.max_batch
+    prompts (both shown by `inspect`); a larger request is refused with the numbers."""
+    from kimi_compile.runtime import load
+
+    if bool(texts) == bool(prompt_ids):
+        raise click.UsageError("give the prompts either as text (--prompt, repeatable) or as --prompt-ids")
+    if chat and not texts:
+        raise click.UsageError("--chat applies the chat template to --prompt text")
+    kwargs = {"providers": [p.strip() for p in providers.split(",") if p.strip()]} if providers else {}
+    sess = load(artifact, **kwargs)
+    if texts:
+        prompts = [sess.encode_text(t, chat=chat) for t in texts]
+    else:
+        prompts = _parse_ids(prompt_ids)
+    gen_kwargs = {"temperature": temperature, "seed": seed}
+    if speculative:
+        gen_kwargs["speculative"] = speculative
+    out = sess.generate(prompts, max_new_tokens, **gen_kwargs)
+    text_out = [sess.decode_text(o) for o in out] if sess.tokenizer is not None else None
     if as_json:
-        doc = {"tokens": out[0] if len(out) == 1 else out, "prompts": prompts}
+        doc = {"tokens": out[0] if len(out) == 1 else out, "prompts": list(texts) if texts else prompts}
+        if texts:
+            doc["prompt_ids"] = prompts
+        if text_out is not None:
+            doc["text"] = text_out
         if speculative:
             doc["speculative"] = {**out.batch, "requests": out.stats}
         click.echo(json.dumps(doc))
+    elif texts:
+        for t, o in zip(texts, text_out):
+            click.echo(o if len(texts) == 1 else f"[{t}] {o}")
     else:
         for p, o in zip(prompts, out):
             click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, o))}")
 
 
 def _op_diff(a: dict, b: dict) -> dict:
-    """Per phase: ops whose count differs between two artifacts (b minus a)."""
+    """Per phase: ops whose count differs between two artifacts (b minus a); phases without a difference left out."""
     out = {}
     for phase in sorted(set(a["graphs"]) | set(b["graphs"])):
         ha = a["graphs"].get(phase, {}).get("op_histogram", {})
         hb = b["graphs"].get(phase, {}).get("op_histogram", {})
-        out[phase] = {k: hb.get(k, 0) - ha.get(k, 0) for k in sorted(set(ha) | set(hb)) if hb.get(k, 0) != ha.get(k, 0)}
+        d = {k: hb.get(k, 0) - ha.get(k, 0) for k in sorted(set(ha) | set(hb)) if hb.get(k, 0) != ha.get(k, 0)}
+        if d:
+            out[phase] = d
     return out
 
 
@@ -141,11 +204,13 @@ def _op_diff(a: dict, b: dict) -> dict:
 @click.option("--diff", "diff_against", type=click.Path(file_okay=False),
               help="Another artifact: show which ops ARTIFACT adds or removes relative to it.")
 def inspect(artifact, as_json, diff_against):
-    """Show graphs, op histograms (kimi.* ops), op coverage, the pass log, the precision plan and cache layouts."""
+    """Summary, graphs and their kimi.* ops, op coverage, the pass log, the precision plan and cache layouts."""
     from kimi_compile.artifact import load_manifest
+    from kimi_compile.report import summary
 
     m = load_manifest(artifact)
     info = {
+        "summary": summary(m),
         "graphs": {p: {"node_count": g["node_count"], "op_histogram": g["op_histogram"],
                        "kimi_ops": {k: v for k, v in g["op_histogram"].items() if k.startswith("kimi.")},
                        "inputs": g["inputs"], "outputs": g["outputs"], "file": g["file"],
@@ -160,6 +225,9 @@ def inspect(artifact, as_json, diff_against):
         "versions": m.get("versions"),
         "op_coverage": m.get("op_coverage", {}),
         "accuracy": m.get("accuracy"),
+        "runtime": m.get("runtime"),
+        "tokenizer": m.get("tokenizer"),
+        "stages": m.get("stages"),
     }
     if diff_against:
         info["diff"] = {"against": str(diff_against), "ops": _op_diff(load_manifest(diff_against), m)}
@@ -170,48 +238,53 @@ def inspect(artifact, as_json, diff_against):
     from rich.table import Table
 
     c = Console()
+    c.print(_summary_table(info["summary"], title=f"{artifact}"))
+    if "diff" in info:
+        c.print()
+        if not info["diff"]["ops"]:
+            c.print(f"no differences in ops relative to {info['diff']['against']}")
+        else:
+            c.print(f"ops added (+) / removed (-) relative to {info['diff']['against']}:")
+            for phase, d in info["diff"]["ops"].items():
+                c.print(f"  {phase}: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
     for phase, g in info["graphs"].items():
-        t = Table(title=f"{phase}: {g['node_count']} nodes")
-        t.add_column("op")
-        t.add_column("count", justify="right")
-        for k, v in g["op_histogram"].items():
-            t.add_row(k, str(v))
+        ranked = sorted(g["op_histogram"].items(), key=lambda kv: (not kv[0].startswith("kimi."), -kv[1]))
+        c.print(f"\n[bold]{phase}[/]: {g['node_count']} nodes ({g['file']}): "
+                + ", ".join(f"{k} x{v}" for k, v in ranked), highlight=False)
+    for phase, cov in info["op_coverage"].items():
+        t = Table(title=f"{phase}: op coverage {cov['total_pct']}% ({cov['metric']})", title_justify="left")
+        for col in ("layer kind", "component", "fused ops", "fallback ops", "coverage %"):
+            t.add_column(col)
+        for r in cov["by_component"]:
+            t.add_row(r["layer_kind"], r["component"], ", ".join(f"{k} x{v}" for k, v in r["fused_ops"].items()),
+                      ", ".join(f"{k} x{v}" for k, v in sorted(r["fallback_ops"].items(), key=lambda kv: -kv[1])[:6]),
+                      str(r["coverage_pct"]))
         c.print(t)
-    t = Table(title="pass log")
+    t = Table(title="pass log", title_justify="left")
     for col in ("phase", "pass", "version", "counts", "ms", "cached"):
         t.add_column(col)
     for r in info["pass_log"]:
-        t.add_row(r["phase"], r["name"], str(r["version"]), json.dumps(r["counts"]), str(r["ms"]), str(r["cached"]))
+        t.add_row(r["phase"], r["name"], str(r["version"]), ", ".join(f"{k}={v}" for k, v in r["counts"].items()),
+                  str(r["ms"]), "hit" if r["cached"] else "miss")
     c.print(t)
-    t = Table(title=f"caches ({info['bytes_per_token']} bytes per token, paged)")
+    t = Table(title=f"caches ({info['bytes_per_token']} bytes per token, paged)", title_justify="left")
     for col in ("name", "kind", "shape", "dtype", "format / scale layout", "bytes/token", "bytes/sequence"):
         t.add_column(col)
     for r in info["cache_layouts"]:
         t.add_row(r["name"], r["kind"], str(r["shape"]), r["dtype"], r.get("scale_layout") or r.get("format", ""),
                   str(r["bytes_per_token"]), str(r["bytes_per_sequence"]))
     c.print(t)
-    for phase, cov in info["op_coverage"].items():
-        t = Table(title=f"{phase}: op coverage {cov['total_pct']}% ({cov['metric']})")
-        for col in ("layer kind", "component", "fused ops", "fallback ops", "coverage %"):
-            t.add_column(col)
-        for r in cov["by_component"]:
-            t.add_row(r["layer_kind"], r["component"], json.dumps(r["fused_ops"]),
-                      ", ".join(f"{k}x{v}" for k, v in sorted(r["fallback_ops"].items(), key=lambda kv: -kv[1])[:6]),
-                      str(r["coverage_pct"]))
-        c.print(t)
-    if "diff" in info:
-        c.print(f"ops added (+) / removed (-) relative to {info['diff']['against']}:")
-        for phase, d in info["diff"]["ops"].items():
-            c.print(f"  {phase}: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
     c.print(f"precision plan: {info['precision_plan'] or 'fp32 everywhere (no rules)'}")
 
 
 def _attach_cache():
     from kimi_compile.cli_cache import cache
     from kimi_compile.cli_verify import verify
+    from kimi_compile.debug import debug
 
     main.add_command(cache)
     main.add_command(verify)
+    main.add_command(debug)
 
 
 _attach_cache()

@@ -413,9 +413,13 @@ def load_config(path: str | os.PathLike) -> KimiConfig:
     if not p.is_file():
         raise ConfigError(f"{p}: config.json not found")
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot be read ({e.strerror})") from None
     return from_hf_dict(d, source=str(p))
 
 
@@ -424,14 +428,15 @@ def load_config(path: str | os.PathLike) -> KimiConfig:
 
 def _tiny_text(index: bool) -> dict[str, Any]:
     # the public MLX test config (kimi_k3_spec.md §1.7) grown to 6 layers, so that AttnRes (block size 2) spans three
-    # blocks and the model both starts and ends its MLA groups like the released one (layers 4 and 6 are MLA).
+    # blocks and the model both starts and ends its MLA groups like the released one (layers 4 and 6 are MLA); and to
+    # 4 MLA heads and 4 KDA heads of 16 (same KDA width 64), so that tensor parallelism over 2 and 4 ranks splits them.
     d: dict[str, Any] = {
         "model_type": "kimi_linear",
         "vocab_size": 1000,
         "hidden_size": 64,
         "num_hidden_layers": 6,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
         "intermediate_size": 96,
         "rms_norm_eps": 1e-5,
         "hidden_act": "situ",
@@ -440,8 +445,8 @@ def _tiny_text(index: bool) -> dict[str, Any]:
         "linear_attn_config": {
             "kda_layers": [1, 2, 3, 5],
             "full_attn_layers": [4, 6],
-            "num_heads": 2,
-            "head_dim": 32,
+            "num_heads": 4,
+            "head_dim": 16,
             "short_conv_kernel_size": 4,
             "gate_lower_bound": -5.0,
             "use_full_rank_gate": True,

@@ -151,7 +151,7 @@ def trace(model: KimiK3ForCausalLM, opts: TraceOptions = TraceOptions()) -> dict
     for phase in PHASES:
         decode = phase == "decode"
         t0 = time.perf_counter()
-        wrapper = StepGraph(model, opts.block_size, decode, opts.kda_chunk)
+        wrapper = StepGraph(model, opts.block_size, decode, opts.kda_chunk).eval()  # no export-in-training warning
         args = example_inputs(model.config, opts, decode)
         specs = wrapper.specs
         in_names = ["input_ids", "start", "lengths", "block_table", *[s.name for s in specs]]

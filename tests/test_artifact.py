@@ -55,7 +55,7 @@ def test_write_and_load(tmp_path):
     out = _build(tmp_path / "art")
     m = load_manifest(out)
     assert m["schema_version"] == SCHEMA_VERSION == 1
-    assert set(m["files"]) == {"graphs/prefill.onnx", "weights/model.bin", "report.md"}
+    assert set(m["files"]) == {"graphs/prefill.onnx", "weights/model.bin", "report.md", "report.html"}
     assert m["files"]["weights/model.bin"] == {"sha256": hashlib.sha256(b"weights-v1").hexdigest(), "bytes": 10}
     assert m["graphs"]["prefill"]["node_count"] == 42
     assert (out / "report.md").read_text().startswith("# kimi-compile artifact: kimi-k3-tiny")
@@ -85,7 +85,7 @@ def test_add_file_links_copies_and_direct_writes(tmp_path):
         with pytest.raises(ArtifactError, match="is not a file"):
             w.add_file("c", src_path=tmp_path / "nope")
     m = load_manifest(out)
-    assert set(m["files"]) == {"weights/a.bin", "weights/b.bin", "graphs/decode.onnx", "report.md"}
+    assert set(m["files"]) == {"weights/a.bin", "weights/b.bin", "graphs/decode.onnx", "report.md", "report.html"}
 
 
 def test_replaces_a_previous_artifact(tmp_path):
@@ -259,27 +259,54 @@ def _commit_in_process(out: str, payload: bytes, barrier, queue) -> None:
             w.manifest.update(MANIFEST_EXTRA)
             barrier.wait(timeout=10)
         queue.put("ok")
+    except ArtifactError as e:
+        queue.put(str(e))
     except BaseException as e:  # report, never hang the parent
         queue.put(repr(e))
 
 
 def test_two_processes_commit_one_out_dir(tmp_path):
+    """Two builds into one out_dir at once: the first to commit wins whole, the other says so and leaves nothing."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     out = _build(tmp_path / "art", b"old")
     for _round in range(3):
         barrier, queue = ctx.Barrier(2), ctx.Queue()
-        procs = [ctx.Process(target=_commit_in_process, args=(str(out), b"same-content", barrier, queue))
-                 for _ in range(2)]
+        procs = [ctx.Process(target=_commit_in_process, args=(str(out), payload + bytes([_round]), barrier, queue))
+                 for payload in (b"first", b"second")]  # per round new content: an identical artifact is no change
         for p in procs:
             p.start()
-        assert [queue.get(timeout=30) for _ in procs] == ["ok", "ok"]
+        answers = sorted(queue.get(timeout=30) for _ in procs)
         for p in procs:
             p.join(timeout=30)
-        assert (out / "weights" / "model.bin").read_bytes() == b"same-content"
+        assert answers[1] == "ok" and "another build replaced it while this one ran" in answers[0], answers
+        assert (out / "weights" / "model.bin").read_bytes() in (b"first" + bytes([_round]), b"second" + bytes([_round]))
         load_manifest(out)
         assert _siblings(out) == ["art"]
+
+
+def test_out_dir_that_is_not_an_artifact_is_refused(tmp_path):
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    with pytest.raises(ArtifactError, match=r"is not a kimi-compile artifact \(it holds notes.txt"):
+        _build(other)
+    assert (other / "notes.txt").read_text() == "keep" and _siblings(other) == ["mine"]
+    (tmp_path / "empty").mkdir()
+    _build(tmp_path / "empty")  # an empty folder is fine
+    assert artifact_mod.check_out_dir(tmp_path / "empty").startswith("artifact:")
+    assert artifact_mod.check_out_dir(tmp_path / "none") is None
+
+
+def test_folders_get_the_umask_mode(tmp_path):
+    old = os.umask(0o027)
+    try:
+        out = _build(tmp_path / "art")
+    finally:
+        os.umask(old)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o750)
+    assert oct((out / "weights").stat().st_mode & 0o777) == oct(0o750)
 
 
 def test_symlinks_are_refused(tmp_path):

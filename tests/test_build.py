@@ -19,7 +19,7 @@ from kimi_compile.model import load_pretrained
 from kimi_compile.recipe import load_recipe, with_overrides
 from kimi_compile.runtime import load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture

@@ -1,5 +1,10 @@
 """Session over a built artifact: paged cache pools and block tables (block 0 = null block), KDA states, ragged
-batches, greedy or seeded sampling."""
+batches, greedy or seeded sampling, text through the artifact's tokenizer.
+
+Limits (the artifact's capacity, the same on every backend; `inspect` shows them): export.max_seq_len is the most
+tokens one sequence holds (prompt + generated), export.max_batch the most sequences in one cache or generate call.
+TensorRT engines are built for exactly these (their optimization profile), the other backends enforce them here; a
+request beyond either is refused with the numbers."""
 
 from __future__ import annotations
 
@@ -69,15 +74,47 @@ class Session:
         self.block_size = int(runtime["block_size"])
         self.vocab_size = int(runtime["vocab_size"])
         self.eos_token_id = runtime.get("eos_token_id")
+        self.tokenizer = None  # kimi_compile.tokenizer.Tokenizer when the artifact ships one (load sets it)
+
+    @staticmethod
+    def open_artifact(artifact_dir: str | Path) -> Session:
+        """Another artifact (a speculative draft model), loaded as `load` loads one."""
+        return load(artifact_dir)
 
     @property
     def max_seq_len(self) -> int:
         return int(self.runtime["max_seq_len"])
 
+    @property
+    def max_batch(self) -> int | None:
+        value = self.runtime.get("max_batch")
+        return int(value) if value else None
+
+    def encode_text(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of `text` (with `chat`, wrapped as one user message in the checkpoint's chat template)."""
+        if self.tokenizer is None:
+            raise RuntimeInputError("this artifact has no tokenizer (its checkpoint shipped no tokenizer.json or "
+                                    "tiktoken.model): give token ids, or build with --model DIR of a checkpoint "
+                                    "that has one")
+        if chat:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise RuntimeInputError(f"prompt {text!r} encodes to no tokens")
+        return ids
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise RuntimeInputError("this artifact has no tokenizer: it returns token ids only")
+        return self.tokenizer.decode(ids)
+
     def new_cache(self, batch_size: int, max_seq_len: int | None = None) -> CacheState:
-        """A cache for `batch_size` sequences of up to `max_seq_len` tokens (default and limit: the artifact's
-        export.max_seq_len). Executors with static shapes (graph capture) get the full capacity and their batch
-        bucket, so one captured graph serves every request of that bucket."""
+        """A cache for `batch_size` sequences (limit: export.max_batch) of up to `max_seq_len` tokens (default and
+        limit: the artifact's export.max_seq_len). Executors with static shapes (graph capture) get the full capacity
+        and their batch bucket, so one captured graph serves every request of that bucket."""
+        if self.max_batch is not None and batch_size > self.max_batch:
+            raise RuntimeInputError(f"batch: {batch_size} sequences exceed this artifact's export.max_batch "
+                                    f"({self.max_batch}); split the batch or rebuild with a larger export.max_batch")
         limit = self.max_seq_len
         if max_seq_len is not None and max_seq_len > limit:
             raise RuntimeInputError(f"max_seq_len: {max_seq_len} tokens exceed this artifact's export.max_seq_len "
@@ -214,14 +251,29 @@ def _sample(logits: np.ndarray, temperature: float, top_k: int | None, rng: np.r
     return np.array([rng.choice(p.shape[-1], p=row) for row in p])
 
 
-def load(artifact_dir: str | Path, threads: int | None = None) -> Session:
-    """Open an artifact: check its manifest and every file's hash, then start the executor its backend names."""
+def load(artifact_dir: str | Path, threads: int | None = None, providers: Sequence[str] | None = None) -> Session:
+    """Open an artifact: check its manifest and every file's hash, then start the executor its backend names.
+    `providers` (onnxruntime artifacts): execution providers in order of preference, e.g. ["cuda", "cpu"]."""
     from kimi_compile import backends
+    from kimi_compile.tokenizer import load_tokenizer
 
     root = Path(artifact_dir)
     manifest = load_manifest(root)
     rt = manifest.get("runtime")
     if not isinstance(rt, dict):
         raise ArtifactError(root, "manifest has no 'runtime' section", "manifest.json")
-    executor = backends.get(manifest["backend"]["name"]).load(root, manifest, threads=threads)
-    return Session(executor, rt, manifest=manifest)
+    options = {"providers": list(providers)} if providers is not None else {}
+    if options and manifest["backend"]["name"] != "onnxruntime":
+        raise RuntimeInputError(f"providers: apply to onnxruntime artifacts; {root} is built for the "
+                                f"{manifest['backend']['name']} backend")
+    backend = backends.get(manifest["backend"]["name"])
+    if int((manifest.get("parallel") or {}).get("world", 1)) > 1:  # a partitioned artifact: this process is one rank
+        if not hasattr(backend, "init_distributed"):
+            raise RuntimeInputError(f"{root} is partitioned for {manifest['parallel']['world']} ranks; backend "
+                                    f"{manifest['backend']['name']!r} runs one rank (partitioned artifacts run on "
+                                    "the cuda backend)")
+        options.update(backend.init_distributed(manifest))
+    executor = backend.load(root, manifest, threads=threads, **options)
+    sess = Session(executor, rt, manifest=manifest)
+    sess.tokenizer = load_tokenizer(root, manifest)
+    return sess

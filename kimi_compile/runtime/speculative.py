@@ -251,16 +251,16 @@ class ModelDrafter(Drafter):
         return drafts, [np.stack(x) if x else None for x in qs]
 
 
-def drafter_for(cfg: SpecConfig, vocab_size: int) -> Drafter:
+def drafter_for(cfg: SpecConfig, target) -> Drafter:
+    """The drafter `cfg` names; a draft artifact given as a path is opened the way `target` (a Session) was."""
+    vocab_size = target.vocab_size
     if isinstance(cfg.method, Drafter):
         return cfg.method
     if cfg.method == "ngram":
         return NgramDrafter(cfg.max_ngram, cfg.min_ngram)
     sess = cfg.draft
     if isinstance(sess, (str, Path)):
-        from kimi_compile.runtime.session import load
-
-        sess = load(sess)
+        sess = target.open_artifact(sess)
     if sess.vocab_size != vocab_size:
         raise ValueError(f"speculative.draft: the draft model's vocabulary ({sess.vocab_size}) differs from the "
                          f"target's ({vocab_size}); a draft model must share the tokenizer")
@@ -431,7 +431,7 @@ class SpeculativeBatch:
         self.out: list[list[int]] = [[] for _ in prompts]
         self.done = np.zeros(self.B, dtype=bool)
         self.ctl = AdaptiveK(cfg, self.B)
-        self.drafter = drafter_for(cfg, session.vocab_size)
+        self.drafter = drafter_for(cfg, session)
         self.drafter.start(self.B, need, self.sampling)
         self.forwards = {"prefill": 0, "decode": 0}
         keys = ("proposed", "accepted", "steps", "spec_steps", "rollbacks", "replayed", "off_steps", "k_sum")
