@@ -13,7 +13,6 @@ Stages and cache keys (DESIGN.md §3, "Compile cache"):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import platform
@@ -24,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from kimi_compile import __version__, graph_io, ops
-from kimi_compile.artifact import ArtifactWriter
+from kimi_compile.artifact import ArtifactWriter, check_out_dir
 from kimi_compile.cache import CompileCache, cache_key
 from kimi_compile.coverage import coverage
+from kimi_compile.events import BuildEvents
 from kimi_compile.functions import attach_functions
 from kimi_compile.recipe import Recipe
-from kimi_compile.report import REPORTS
+from kimi_compile.report import REPORTS, summary
+from kimi_compile.tokenizer import ARTIFACT_DIR as TOKENIZER_DIR, TOKENIZER_FILES, describe as describe_tokenizer
 from kimi_compile.trace_spec import PHASES, TraceOptions, cache_layouts, signature
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ def versions() -> dict[str, str]:
 def _fingerprint(path: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(path.iterdir()):
-        if f.suffix in (".json", ".safetensors"):
+        if f.suffix in (".json", ".safetensors") and f.name not in TOKENIZER_FILES:  # the weights and config only
             h.update(f.name.encode())
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -132,42 +133,96 @@ def trace_options(recipe: Recipe) -> TraceOptions:
 
 
 def build(recipe: Recipe, out_dir: str | Path, *, verify: bool = False, cache: CompileCache | None = None,
-          progress: Callable[[str], None] | None = None) -> BuildResult:
+          progress: Callable[[str], None] | None = None, events: BuildEvents | None = None) -> BuildResult:
+    """`events` receives a start and an end record per stage (kimi_compile.events); `progress(label)` is the plain
+    form: called with each stage's and step's label."""
     from kimi_compile import backends, pipeline
     from kimi_compile.verify import Verifier
 
-    say = progress or (lambda msg: log.info(msg))
+    ev = events or BuildEvents()
+    if progress is not None:
+        ev.sinks.append(lambda rec: progress(rec["label"]) if rec["event"] in ("start", "note") else None)
+    ev.sinks.append(_log_sink)
+    say = ev.note
+    out_state = check_out_dir(out_dir)  # refuse a non-artifact --out before any work
     cache = cache or CompileCache()
     t_start = time.perf_counter()
     backend = backends.get(recipe.backend.name)
     passes = pipeline.resolve(recipe)
     opts = trace_options(recipe)
-    with tempfile.TemporaryDirectory(prefix="kimi-build-") as work:
+    with tempfile.TemporaryDirectory(prefix="kimi-build-") as work, cache.pinned():
         src = ModelSource(recipe, Path(work), say)
-        traced, trace_key, trace_hit = _trace_stage(src, opts, cache, say)
-        check = Verifier(src.model(), opts, recipe.verify.tolerance, run=getattr(backend, "run_graph", None)) \
-            if verify else None
-        result = pipeline.run({p: m.clone() for p, m in traced.items()}, passes, cache=cache,
-                              keys=dict.fromkeys(PHASES, trace_key), check=check, say=say)
-        entry, record, backend_hit = _backend_stage(backend, recipe, result, cache, say)
+        _check_parallel(recipe, src.config)
+        with ev.stage("trace", "prefill and decode graphs") as info:
+            traced, trace_key, trace_hit = _trace_stage(src, opts, cache, say)
+            info["cached"] = trace_hit
+        check = None
+        if verify:
+            with ev.stage("reference", "reference outputs for --verify"):
+                check = Verifier(src.model(), opts, recipe.verify.tolerance, run=getattr(backend, "run_graph", None))
+        with ev.stage("passes", f"{len(passes)} passes x {len(PHASES)} phases" + (", each verified" if verify else "")) \
+                as info:
+            result = pipeline.run({p: m.clone() for p, m in traced.items()}, passes, cache=cache,
+                                  keys=dict.fromkeys(PHASES, trace_key), check=check, say=say)
+            info["cached"] = all(result.cache_hits)
+        with ev.stage("backend", f"{recipe.backend.name} for {recipe.target}") as info:
+            entry, record, backend_hit = _backend_stage(backend, recipe, result, cache, say)
+            info["cached"] = backend_hit
         hits = {"trace": [trace_hit], "pass": result.cache_hits, "backend": [backend_hit]}
         stats = {k: {"hits": sum(v), "misses": len(v) - sum(v)} for k, v in hits.items()}
         accuracy = None
         if recipe.precision and result.rebased and recipe.verify.accuracy:
             from kimi_compile.accuracy import evaluate
 
-            say("accuracy report: quantized vs unquantized")
-            accuracy = evaluate(traced, result.rebased, src.config, opts.block_size)
-        with ArtifactWriter(Path(out_dir), reports=REPORTS) as w:
+            with ev.stage("accuracy", "quantized vs unquantized"):
+                accuracy = evaluate(traced, result.rebased, src.config, opts.block_size)
+        with ev.stage("artifact", f"writing {out_dir}"), \
+                ArtifactWriter(Path(out_dir), reports=REPORTS, expect=out_state) as w:
             for f in sorted(entry.rglob("*")):
                 rel = f.relative_to(entry).as_posix()
                 if f.is_file() and rel.startswith(("graphs/", "engines/")):
                     w.add_file(rel, src_path=f, link_ok=False)
+            tok = _add_tokenizer(w, recipe)
             w.manifest.update(_manifest(recipe, src, backend, record, traced, result, stats, accuracy, opts,
                                         round(time.perf_counter() - t_start, 2)))
+            w.manifest["stages"] = list(ev.stages)
+            if tok:
+                w.manifest["tokenizer"] = tok
+            w.manifest["summary"] = summary(w.manifest)
             w.commit()
             manifest = dict(w.manifest)
     return BuildResult(Path(out_dir), manifest, stats)
+
+
+def _check_parallel(recipe: Recipe, cfg) -> None:
+    """The parallel layout against the model's sizes (presets are checked when the recipe is read; a checkpoint's
+    config only now)."""
+    from kimi_compile.recipe import RecipeError, parallel_problems
+
+    if recipe.parallel.world > 1:
+        for key, msg in parallel_problems(cfg, recipe.parallel):
+            raise RecipeError(recipe.source, key, f"{msg} ({_model_name(recipe)})")
+
+
+def _model_name(recipe: Recipe) -> str:
+    return f"checkpoint {recipe.model.checkpoint}" if recipe.model.checkpoint else f"preset {recipe.model.preset}"
+
+
+def _log_sink(rec: dict) -> None:
+    if rec["event"] in ("start", "note"):
+        log.info("%s: %s", rec["stage"], rec["label"])
+
+
+def _add_tokenizer(w: ArtifactWriter, recipe: Recipe) -> dict | None:
+    """Copies the checkpoint's tokenizer files into the artifact (kimi_compile.tokenizer); their description."""
+    if not recipe.model.checkpoint:
+        return None
+    root = Path(recipe.model.checkpoint)
+    info = describe_tokenizer(root)
+    if info is not None:
+        for name in info["files"]:
+            w.add_file(f"{TOKENIZER_DIR}/{name}", src_path=root / name, link_ok=False)
+    return info
 
 
 def _trace_stage(src: ModelSource, opts: TraceOptions, cache: CompileCache, say) -> tuple[dict, str, bool]:
@@ -180,8 +235,9 @@ def _trace_stage(src: ModelSource, opts: TraceOptions, cache: CompileCache, say)
     def produce(d: Path) -> None:
         from kimi_compile.trace import trace
 
+        model = src.model()
         say("tracing prefill and decode graphs")
-        graph_io.save(trace(src.model(), opts), d)  # one copy of the weights for both phases
+        graph_io.save(trace(model, opts), d)  # one copy of the weights for both phases
 
     entry, hit = cache.get_or_create("trace", key, produce)
     graphs = {p: graph_io.load(entry, p) for p in PHASES}
@@ -217,8 +273,11 @@ def _manifest(recipe, src, backend, record, traced, result, stats, accuracy, opt
             k = f"{n.domain}.{n.op_type}" if n.domain else n.op_type
             hist[k] = hist.get(k, 0) + 1
         graph_info[phase] = {**rec, **signature(graphs[phase]), "node_count": len(graphs[phase].graph),
-                             "op_histogram": dict(sorted(hist.items(), key=lambda kv: -kv[1]))}
-    layouts = cache_layouts(cfg, opts.block_size, graphs["prefill"])
+                             "op_histogram": dict(sorted(hist.items(), key=lambda kv: -kv[1])),
+                             # plans passes leave on the graph (JSON in "kimi.*_plan" metadata: the stream plan, ...)
+                             **{k[len("kimi."):]: json.loads(v) for k, v in graphs[phase].metadata_props.items()
+                                if k.startswith("kimi.") and k.endswith("_plan")}}
+    layouts = cache_layouts(cfg, opts.block_size, _first_rank(graphs, "prefill"))  # a rank's caches (its heads)
     return {
         "tool": {"name": "kimi-compile", "version": __version__},
         "versions": versions(),
@@ -232,7 +291,7 @@ def _manifest(recipe, src, backend, record, traced, result, stats, accuracy, opt
         "pass_log": [r.to_dict() for r in result.records],
         "precision_plan": [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in recipe.precision],
         "plugins": {o.qualified: o.version for o in ops.registered()},
-        "op_coverage": {p: coverage(traced[p], graphs[p], cfg) for p in PHASES},
+        "op_coverage": {p: coverage(traced[p], _first_rank(graphs, p), cfg) for p in PHASES},
         "compile_cache": stats,
         "verify": result.verify_log,
         **({"accuracy": accuracy} if accuracy is not None else {}),
@@ -241,4 +300,35 @@ def _manifest(recipe, src, backend, record, traced, result, stats, accuracy, opt
                     "eos_token_id": cfg.eos_token_id, "max_seq_len": recipe.export.max_seq_len,
                     "max_batch": recipe.export.max_batch, "prefill_chunk": recipe.export.prefill_chunk,
                     "caches": [{"name": c["name"], "shape": c["shape"], "dtype": c["dtype"]} for c in layouts]},
+        **({"parallel": _parallel(recipe, graphs, record)} if recipe.parallel.world > 1 else {}),
     }
+
+
+def _first_rank(graphs: dict, phase: str):
+    """The phase graph, or rank 0's copy of it in a partitioned build (`<phase>.rank0`)."""
+    return graphs[phase] if phase in graphs else graphs[f"{phase}.rank0"]
+
+
+def _parallel(recipe: Recipe, graphs: dict, record: dict) -> dict:
+    """The parallel layout of a partitioned artifact (DESIGN.md §3 "Parallelism"): ranks, their process groups,
+    each rank's graphs and weights file with the bytes it holds (sharded: its slices; replicated: whole tensors
+    every rank keeps), and how to launch it."""
+    p = recipe.parallel
+    ranks = []
+    for r in range(p.world):
+        own = {ph: f"{ph}.rank{r}" for ph in PHASES}
+        weights = {}
+        for ph in own.values():  # one weights file per rank: prefill and decode share equal initializers (the
+            for name, v in graphs[ph].graph.initializers.items():  # exporter's val_N names are per graph, so a
+                if v.const_value is not None:  # name with another shape is another tensor)
+                    key = (name, v.const_value.dtype, tuple(v.const_value.shape))
+                    weights[key] = ("kimi.shard" in v.metadata_props, v.const_value.nbytes)
+        ranks.append({"rank": r, "graphs": own, "weights": record[own["prefill"]]["weights"],
+                      "weight_bytes": {"sharded": sum(n for s, n in weights.values() if s),
+                                       "replicated": sum(n for s, n in weights.values() if not s)}})
+    groups = {"tp": [list(range(c * p.tp, (c + 1) * p.tp)) for c in range(p.cp)]}
+    if p.cp > 1:  # context parallel: the ranks holding one model's pieces of a sequence (one group per tp index)
+        groups["cp"] = [[t + c * p.tp for c in range(p.cp)] for t in range(p.tp)]
+    return {"tp": p.tp, "ep": p.ep, "cp": p.cp, "cp_layout": p.cp_layout, "sequence_parallel": p.sequence_parallel,
+            "world": p.world, "groups": groups, "ranks": ranks,
+            "launch": f"torchrun --nproc-per-node {p.world} -m kimi_compile run ARTIFACT --prompt-ids ..."}

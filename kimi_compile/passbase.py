@@ -35,11 +35,20 @@ class KimiPassResult(ir.passes.PassResult):
 
 class KimiPass(ir.passes.InPlacePass):
     """Base class: subclasses set `name`, `version`, `Options` and implement `run(model, stats) -> bool` (modified).
-    `changes_signature = True` declares that the pass rewrites the graph's inputs/outputs."""
+    `changes_signature = True` declares that the pass rewrites the graph's inputs/outputs. `partitions = True`
+    declares a partition pass: the pipeline runs `for_rank(r)` on its own copy of each graph for r < `ranks()`, and
+    the passes after it on each copy (phase graphs become `<phase>.rank<r>`)."""
 
     name = "base"
     version = 1
     changes_signature = False
+    partitions = False
+
+    def ranks(self) -> int:
+        return 1
+
+    def for_rank(self, rank: int) -> KimiPass:
+        return self
 
     @dataclasses.dataclass(frozen=True)
     class Options:

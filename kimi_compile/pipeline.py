@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +43,8 @@ PASS_MODULES = {
     "relayout_nz": "kimi_compile.passes.relayout_nz",
     "convert_dtype": "kimi_compile.passes.convert_dtype",
     "assign_streams": "kimi_compile.passes.assign_streams",
+    "partition_tp": "kimi_compile.passes.partition_tp",
+    "partition_cp": "kimi_compile.passes.partition_cp",
 }
 
 
@@ -55,7 +58,8 @@ def pass_class(name: str) -> type[KimiPass]:
 
 def resolve(recipe: Recipe) -> list[KimiPass]:
     """Instantiate the enabled passes in recipe order, validating their options. A pass whose Options has a `rules`
-    field gets the recipe's precision rules there; one with a `dtype` field gets `model.dtype`."""
+    field gets the recipe's precision rules there; one with a `dtype` field gets `model.dtype`; fields named like
+    the recipe's parallel layout (tp, ep, sequence_parallel) get its values."""
     source = recipe.source or recipe.name
     precision = recipe.to_dict()["precision"]
     out = []
@@ -71,6 +75,12 @@ def resolve(recipe: Recipe) -> list[KimiPass]:
             options.setdefault("rules", [dict(r) for r in precision])
         if "dtype" in fields:
             options.setdefault("dtype", recipe.model.dtype)
+        for k, v in dataclasses.asdict(recipe.parallel).items():
+            if k in fields:
+                if k in options and options[k] != v:
+                    raise RecipeError(source, f"passes[{i}].options.{k}", f"the parallel layout is set in "
+                                                                         f"parallel.{k} ({v}), not here")
+                options[k] = v
         out.append(cls(coerce_options(cls.Options, options, f"passes[{i}].options", source)))
     return out
 
@@ -84,7 +94,8 @@ def verify_model(model: ir.Model, where: str) -> None:
                     ops.lookup(node.op_type, node=node.name)
                 except ops.UnknownOpError as e:
                     raise VerifyError(f"{where}: {e}") from None
-                if (ops.DOMAIN, node.op_type, node.overload) not in model.functions:
+                if (ops.DOMAIN, node.op_type, node.overload) not in model.functions and \
+                        ops.lookup(node.op_type).kind != "partition":  # per-rank graphs only (ops.KINDS)
                     raise VerifyError(f"{where}: node {node.name!r} ({ops.DOMAIN}.{node.op_type}) has no function body")
     # large in-memory weights are not copied into the proto (a multi-GB model would pass protobuf's 2 GiB limit):
     # they stand in as external references, checked below as typed graph inputs like weights in external files
@@ -154,41 +165,66 @@ def run(graphs: dict[str, ir.Model], passes: list[KimiPass], *, cache=None, keys
     """Run `passes` in order on every phase graph. Around each pass: the verifier before and after; with `cache`
     (a CompileCache) and `keys` (phase -> key of the input stage), each pass's output is a cache entry keyed by
     (input key, pass name, version, options, phase); `check` runs the numerics after the input and after each
-    pass; `dump_dir` receives the IR text after each pass (`<dump_dir>/<phase>/<NN>_<pass>.txt`)."""
-    from kimi_compile.cache import cache_key
-
+    pass; `dump_dir` receives the IR text after each pass (`<dump_dir>/<phase>/<NN>_<pass>.txt`). A partition pass
+    (`partitions`, more than one rank) forks each graph: rank r's copy runs `for_rank(r)` and the passes after it,
+    and comes out as phase `<phase>.rank<r>` (no numerical check there: one rank's graph runs with its peers)."""
     out = PipelineResult({}, {}, [], {}, [], [])
     for phase, m in graphs.items():
         key = (keys or {}).get(phase, "")
         if check is not None:
             out.verify_log.append(check(phase, m, "trace", False))
-        for i, p in enumerate(passes):
-            key = cache_key(stage="pass", prev=key, name=p.name, version=p.version, options=options_dict(p),
-                            phase=phase)
-            if cache is None:
-                rec = _run_one(m, p, phase, say)
-            else:
-                def produce(d: Path, m=m, p=p) -> None:
-                    r = _run_one(m, p, phase, say)
-                    graph_io.save({"graph": m}, d, share_root=cache.root)  # unchanged weights stay where they are
-                    (d / "record.json").write_text(json.dumps(r.to_dict()))
-
-                entry, hit = cache.get_or_create("pass", key, produce)
-                out.cache_hits.append(hit)
-                rec = PassRecord(**{**json.loads((entry / "record.json").read_text()), "cached": hit})
-                m = graph_io.load(entry, "graph")
-                attach_functions(m)
-            if p.changes_signature and rec.modified and phase not in out.rebased:
-                out.rebased[phase] = m.clone()
-            if check is not None:
-                out.verify_log.append(check(phase, m, p.name, p.changes_signature and rec.modified))
-            if dump_dir is not None:
-                d = Path(dump_dir) / phase
-                d.mkdir(parents=True, exist_ok=True)
-                (d / f"{i:02d}_{p.name}.txt").write_text(str(m))
-            out.records.append(rec)
-        out.graphs[phase], out.keys[phase] = m, key
+        _run_passes(out, phase, m, key, passes, 0, cache=cache, check=check, dump_dir=dump_dir, say=say)
     return out
+
+
+def _run_passes(out: PipelineResult, phase: str, m: ir.Model, key: str, passes: list[KimiPass], start: int, *,
+                cache, check, dump_dir, say, partitioned: bool = False) -> None:
+    """Passes[start:] on one graph; a partition pass at index > start forks it (at start: this is one rank's copy)."""
+    from kimi_compile.cache import cache_key
+
+    for i in range(start, len(passes)):
+        p = passes[i]
+        if p.partitions and p.ranks() > 1 and not (partitioned and i == start):
+            base, _, prev = phase.partition(".rank")  # a second partition (tp, then cp): world rank c * tp + t
+            inner = math.prod(q.ranks() for q in passes[:i] if q.partitions)
+            for r in range(p.ranks()):
+                name = f"{base}.rank{r * inner + int(prev)}" if prev else f"{phase}.rank{r}"
+                _run_passes(out, name, _copy(m), key, [*passes[:i], p.for_rank(r), *passes[i + 1:]],
+                            i, cache=cache, check=check, dump_dir=dump_dir, say=say, partitioned=True)
+            return
+        key = cache_key(stage="pass", prev=key, name=p.name, version=p.version, options=options_dict(p),
+                        phase=phase)
+        if cache is None:
+            rec = _run_one(m, p, phase, say)
+        else:
+            def produce(d: Path, m=m, p=p) -> None:
+                r = _run_one(m, p, phase, say)
+                graph_io.save({"graph": m}, d, share_root=cache.root)  # unchanged weights stay where they are
+                (d / "record.json").write_text(json.dumps(r.to_dict()))
+
+            entry, hit = cache.get_or_create("pass", key, produce)
+            out.cache_hits.append(hit)
+            rec = PassRecord(**{**json.loads((entry / "record.json").read_text()), "cached": hit})
+            m = graph_io.load(entry, "graph")
+            attach_functions(m)
+        if p.changes_signature and rec.modified and phase not in out.rebased and not partitioned:
+            out.rebased[phase] = m.clone()
+        if check is not None and not partitioned:
+            out.verify_log.append(check(phase, m, p.name, p.changes_signature and rec.modified))
+        if dump_dir is not None:
+            d = Path(dump_dir) / phase
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"{i:02d}_{p.name}.txt").write_text(str(m))
+        out.records.append(rec)
+    out.graphs[phase], out.keys[phase] = m, key
+
+
+def _copy(m: ir.Model) -> ir.Model:
+    """A copy of the graph (initializer tensors shared, not copied) with the same function bodies."""
+    return ir.Model(m.graph.clone(), ir_version=m.ir_version, producer_name=m.producer_name,
+                    producer_version=m.producer_version, domain=m.domain, model_version=m.model_version,
+                    doc_string=m.doc_string, functions=list(m.functions.values()),
+                    metadata_props=dict(m.metadata_props))
 
 
 def _run_one(model: ir.Model, p: KimiPass, phase: str, say: Callable[[str], None]) -> PassRecord:

@@ -18,7 +18,7 @@ Schema (defaults shown; `name` and one of `model.preset` / `model.checkpoint` ar
       - {name: cleanup, enabled: true, options: {}}
     precision:                   # rules select tensors by role, never by node name
       - {role: indexer_qk, format: mxfp8, options: {rounding: floor, elem: e4m3, block: 32}}
-    parallel: {tp: 1, cp: 1, sequence_parallel: false}
+    parallel: {tp: 1, ep: 1, cp: 1, sequence_parallel: false}   # tp/ep > 1: the partition_tp pass, backend cuda
     backend: {name: onnxruntime, options: {}}
     target: cpu
     verify: {tolerance: 1.0e-4, accuracy: true}
@@ -60,6 +60,7 @@ __all__ = [
     "VerifySpec",
     "Recipe",
     "load_recipe",
+    "parallel_problems",
     "parse_recipe",
     "coerce_options",
     "with_overrides",
@@ -377,9 +378,19 @@ class PrecisionRule:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSpec:
+    """Ranks: tp tensor-parallel (heads, MLP and vocabulary split), ep expert-parallel within the tp group (ep
+    divides tp: experts split ep ways, each expert's intermediate dim tp/ep ways), cp context-parallel (issue 18),
+    sequence_parallel (activations between tensor-parallel regions split along the tokens; prefill)."""
+
     tp: int = dataclasses.field(default=1, metadata={"positive": True})
+    ep: int = dataclasses.field(default=1, metadata={"positive": True})
     cp: int = dataclasses.field(default=1, metadata={"positive": True})
     sequence_parallel: bool = False
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"  # context parallel: which chunks a rank holds
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.cp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,14 +533,41 @@ def _check_combinations(r: Recipe, source: str) -> None:
         if not any(ps.name == "convert_dtype" and ps.enabled for ps in r.passes):
             raise RecipeError(source, "model.dtype", f"{m.dtype} needs the convert_dtype pass in passes (it "
                                                      "converts the graph after the fusions)")
-    for key in ("tp", "cp"):
-        if getattr(p, key) != 1:
-            raise RecipeError(source, f"parallel.{key}", f"{key}={getattr(p, key)} needs the partition passes, which "
-                                                           "this version does not have; the only value built is 1")
+    if p.cp != 1:
+        if p.sequence_parallel:
+            raise RecipeError(source, "parallel.sequence_parallel", f"sequence_parallel with cp={p.cp} is not "
+                                                                    "implemented (docs/context_parallel.md): the "
+                                                                    "prefill is already split along the tokens")
+        names = [ps.name for ps in r.passes if ps.enabled]
+        if p.tp > 1 and "partition_cp" in names and "partition_tp" in names and \
+                names.index("partition_cp") < names.index("partition_tp"):
+            raise RecipeError(source, "passes", "partition_tp must come before partition_cp (world rank = "
+                                                "cp index * tp + tp index)")
+        if r.backend.name != "cuda":
+            raise RecipeError(source, "parallel.cp", f"cp={p.cp} runs its ranks over torch.distributed on backend "
+                                                     f"cuda, got backend {r.backend.name!r} (it runs one rank)")
+        if not any(ps.name == "partition_cp" and ps.enabled for ps in r.passes):
+            raise RecipeError(source, "parallel.cp", f"cp={p.cp} needs the partition_cp pass in passes (after the "
+                                                     "fusions; it writes one prefill graph per rank)")
     if p.sequence_parallel and p.tp < 2:
         raise RecipeError(
             source, "parallel.sequence_parallel", f"sequence_parallel requires parallel.tp > 1, got tp={p.tp}"
         )
+    if p.tp % p.ep:
+        raise RecipeError(source, "parallel.ep", f"ep={p.ep} must divide parallel.tp={p.tp} (experts are split "
+                                                 "within the tensor-parallel group)")
+    if p.tp > 1:
+        if r.backend.name != "cuda":
+            raise RecipeError(source, "parallel.tp", f"tp={p.tp} runs its ranks over torch.distributed on backend "
+                                                     f"cuda, got backend {r.backend.name!r} (it runs one rank)")
+        if not any(ps.name == "partition_tp" and ps.enabled for ps in r.passes):
+            raise RecipeError(source, "parallel.tp", f"tp={p.tp} needs the partition_tp pass in passes (after the "
+                                                     "fusions; it writes one graph per rank)")
+        if m.preset is not None:
+            from kimi_compile.config import preset
+
+            for key, msg in parallel_problems(preset(m.preset), p):
+                raise RecipeError(source, key, f"{msg} (preset {m.preset})")
     target, backend = r.target, r.backend.name
     if not target or not re.fullmatch(r"[a-z0-9_]+", target):
         raise RecipeError(source, "target", f"expected a target such as cpu, cuda, sm90 or sm120, got {target!r}")
@@ -544,6 +582,37 @@ def _check_combinations(r: Recipe, source: str) -> None:
             source, "target",
             f"backend tensorrt builds engines for a GPU arch (e.g. sm89, sm120), got {target!r}",
         )
+
+
+def parallel_problems(cfg, p: ParallelSpec) -> list[tuple[str, str]]:
+    """(recipe key, message) for every size of the model `cfg` (a KimiConfig) that the parallel layout `p` cannot
+    split evenly: heads and the dense MLP over tp, the vocabulary over tp, experts over ep, each expert's
+    intermediate dim over tp/ep, the routed latent and the shared experts over tp."""
+    out = []
+    tp, ep = p.tp, p.ep
+
+    def need(key: str, n: int, parts: int, what: str) -> None:
+        if parts > 1 and n % parts:
+            out.append((f"parallel.{key}", f"{key}={getattr(p, key)} does not divide {what} ({n} % {parts} = "
+                                            f"{n % parts})"))
+
+    need("tp", cfg.num_attention_heads, tp, "num_attention_heads: MLA heads are split across ranks")
+    if cfg.kda_layer_ids:
+        need("tp", cfg.kda_num_heads, tp, "linear_attn_config.num_heads: KDA heads are split across ranks")
+    need("tp", cfg.vocab_size, tp, "vocab_size: the embedding and LM head are split across ranks")
+    if any(not cfg.is_moe(i) for i in range(cfg.num_hidden_layers)):
+        need("tp", cfg.intermediate_size, tp, "intermediate_size: dense MLPs are split across ranks")
+    if cfg.num_experts:
+        need("ep", cfg.num_experts, ep, "num_experts: experts are split across ep ranks")
+        if tp // ep > 1 and cfg.moe_intermediate_size % (tp // ep):
+            out.append(("parallel.tp", f"tp/ep={tp // ep} does not divide moe_intermediate_size "
+                                       f"({cfg.moe_intermediate_size}): each expert is split across tp/ep ranks"))
+        if cfg.routed_expert_hidden_size:
+            need("tp", cfg.routed_expert_hidden_size, tp, "routed_expert_hidden_size: the latent up-projection is "
+                                                          "split across ranks")
+        need("tp", cfg.moe_intermediate_size * cfg.num_shared_experts, tp,
+             "the shared experts' intermediate size: shared experts are split across ranks")
+    return out
 
 
 def parse_recipe(data: Any, source: str = "<str>") -> Recipe:
@@ -648,7 +717,9 @@ _OVERRIDE_ALIASES = {
     "backend": "backend.name",
     "backend_options": "backend.options",
     "tp": "parallel.tp",
+    "ep": "parallel.ep",
     "cp": "parallel.cp",
+    "cp_layout": "parallel.cp_layout",
     "sequence_parallel": "parallel.sequence_parallel",
     "target": "target",
     "tolerance": "verify.tolerance",

@@ -26,7 +26,8 @@ def _graph(op_types: list[tuple[str, str]]) -> ir.Model:
 
 
 def test_fused_ops_come_from_the_registry_kinds():
-    assert fused_ops() == {"IndexerTopK", "SparseMLA", "KDA", "MoE", "AttnResStage1", "AttnResMerge", "MatMulNZ"}
+    assert fused_ops() == {"IndexerTopK", "SparseMLA", "KDA", "MoE", "MoEExperts", "AttnResStage1", "AttnResMerge",
+                          "MatMulNZ"}
     kinds = {o.name: o.kind for o in ops.registered()}
     assert {n for n, k in kinds.items() if k == "primitive"} == {"PagedWrite", "PagedGather", "KDARecurrence"}
     assert {n for n, k in kinds.items() if k == "quant"} == {"QuantizeMX", "DequantizeMX", "QDQMX", "QuantizeFP8Tile",

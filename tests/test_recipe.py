@@ -81,7 +81,7 @@ def test_defaults_are_resolved():
     d = r.to_dict()
     assert d["export"] == {"block_size": 16, "max_seq_len": 256, "max_batch": 8, "prefill_chunk": 64}
     assert d["model"] == {"preset": "kimi-k3-tiny", "checkpoint": None, "seed": 0, "dtype": "float32"}
-    assert d["parallel"] == {"tp": 1, "cp": 1, "sequence_parallel": False}
+    assert d["parallel"] == {"tp": 1, "ep": 1, "cp": 1, "cp_layout": "zigzag", "sequence_parallel": False}
     assert d["backend"] == {"name": "onnxruntime", "options": {}}
     assert d["target"] == "cpu" and d["verify"] == {"tolerance": 1e-4, "accuracy": True}
     assert d["passes"] == [] and d["precision"] == []
@@ -203,8 +203,8 @@ def test_values_no_backend_builds_are_refused_with_the_ones_that_exist():
 
     d = _full()
     d["parallel"] = {"tp": 2, "cp": 1, "sequence_parallel": False}
-    assert _err(d) == ("recipes/x.yaml: parallel.tp: tp=2 needs the partition passes, which this version does not "
-                       "have; the only value built is 1")
+    assert _err(d) == ("recipes/x.yaml: parallel.tp: tp=2 runs its ranks over torch.distributed on backend cuda, got "
+                       "backend 'onnxruntime' (it runs one rank)")
     d = _full()
     d["backend"] = {"name": "nccl-magic"}
     assert _err(d) == f"recipes/x.yaml: backend.name: expected one of {', '.join(BACKENDS)}, got 'nccl-magic'"
@@ -351,3 +351,16 @@ def test_precision_rule_lookup_by_role():
     assert r.precision_rule("projection_activation") is None
     with pytest.raises(KeyError, match="unknown tensor role 'kv'"):
         r.precision_rule("kv")
+
+
+def test_parallel_layouts_are_checked_against_the_model():
+    tp2 = yaml.safe_load((RECIPES / "kimi-k3.1-tiny-tp2.yaml").read_text())
+    assert parse_recipe(tp2).parallel.tp == 2
+    d = {**tp2, "passes": [p for p in tp2["passes"] if p["name"] != "partition_tp"]}
+    assert _err(d).startswith("recipes/x.yaml: parallel.tp: tp=2 needs the partition_tp pass in passes")
+    d = {**tp2, "parallel": {"tp": 2, "ep": 4}}
+    assert _err(d) == ("recipes/x.yaml: parallel.ep: ep=4 must divide parallel.tp=2 (experts are split within the "
+                       "tensor-parallel group)")
+    d = {**tp2, "parallel": {"tp": 8}}  # 4 MLA heads
+    assert _err(d) == ("recipes/x.yaml: parallel.tp: tp=8 does not divide num_attention_heads: MLA heads are split "
+                       "across ranks (4 % 8 = 4) (preset kimi-k3.1-tiny)")

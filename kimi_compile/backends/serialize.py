@@ -1,6 +1,7 @@
 """Serializing optimized graphs: `graphs/<phase>.onnx` for every phase plus one `graphs/weights.bin` holding each
 distinct initializer once (prefill and decode point at the same bytes as external data, never duplicated). Shared by
-the backends that ship ONNX graphs (onnxruntime, cuda). Imports no torch."""
+the backends that ship ONNX graphs (onnxruntime, cuda). A partitioned build's graphs (`<phase>.rank<r>`) get one
+weights file per rank, `graphs/weights.rank<r>.bin`, holding only that rank's shards. Imports no torch."""
 
 from __future__ import annotations
 
@@ -12,17 +13,43 @@ WEIGHTS = "weights.bin"
 ALIGN = 64
 
 
+def weights_file(phase: str) -> str:
+    """The weights file of a phase graph: weights.bin, or weights.rank<r>.bin for rank r's `<phase>.rank<r>`."""
+    _, sep, rank = phase.partition(".rank")
+    return f"weights.rank{rank}.bin" if sep else WEIGHTS
+
+
 def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
     """Serialize the graphs with shared external weights; returns {phase: {"file", "weights"},
     "_shared_initializers": n}."""
-    import onnx_ir as ir
-
     gdir = Path(out_dir) / "graphs"
     gdir.mkdir(parents=True, exist_ok=True)
+    shared = 0
+    files: dict[str, list[str]] = {}
+    for phase in graphs:
+        files.setdefault(weights_file(phase), []).append(phase)
+    for name, phases in files.items():
+        shared += _write_weights(graphs, phases, gdir, name)
+    import onnx_ir as ir
+
+    record: dict[str, Any] = {}
+    for phase, model in graphs.items():
+        rel = f"graphs/{phase}.onnx"
+        proto = ir.to_proto(model)
+        (Path(out_dir) / rel).write_bytes(proto.SerializeToString())
+        record[phase] = {"file": rel, "weights": f"graphs/{weights_file(phase)}"}
+    record["_shared_initializers"] = shared
+    return record
+
+
+def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) -> int:
+    import onnx_ir as ir
+
     offsets: dict[tuple[str, str], tuple[int, int]] = {}
     shared = 0
-    with open(gdir / WEIGHTS, "wb") as f:
-        for phase, model in graphs.items():
+    with open(gdir / weights, "wb") as f:
+        for phase in phases:
+            model = graphs[phase]
             for name, value in list(model.graph.initializers.items()):
                 tensor = value.const_value
                 if tensor is None:
@@ -40,13 +67,6 @@ def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
                     offsets[key] = (f.tell(), len(data))
                     f.write(data)
                 off, length = offsets[key]
-                value.const_value = ir.ExternalTensor(WEIGHTS, off, length, tensor.dtype, shape=tensor.shape,
+                value.const_value = ir.ExternalTensor(weights, off, length, tensor.dtype, shape=tensor.shape,
                                                       name=name, base_dir=str(gdir))
-    record: dict[str, Any] = {}
-    for phase, model in graphs.items():
-        rel = f"graphs/{phase}.onnx"
-        proto = ir.to_proto(model)
-        (Path(out_dir) / rel).write_bytes(proto.SerializeToString())
-        record[phase] = {"file": rel, "weights": f"graphs/{WEIGHTS}"}
-    record["_shared_initializers"] = shared
-    return record
+    return shared

@@ -14,6 +14,15 @@ Math     s = sigmoid(x @ router_w^T);  idx = topk(s + router_bias, k) (ties to t
          act(u, g) = situ_beta*tanh(g/situ_beta)*sigmoid(g) * (situ_linear_beta*tanh(u/situ_linear_beta) or u);
          z = x @ w_down^T;  r = sum_k w_k * w2[e_k] act(w3[e_k] z, w1[e_k] z);
          y = RMSNorm(r) * norm_w @ w_up^T + shared_down act(shared_up x, shared_gate x).
+
+kimi.MoEExperts: the routed part of kimi.MoE up to the latent sum r, over the experts one rank holds (expert
+parallelism, passes/partition_tp.py): the router is whole (all E experts compete), the expert weights are the held
+slice. Summing r over the ranks that hold every expert (kimi.AllReduce) gives kimi.MoE's r.
+Inputs   x [..., hidden], router_w [E,hidden], router_bias [E], w_down [L,hidden], w1 [El,I,L], w3 [El,I,L],
+         w2 [El,L,I] (El experts: global ids expert_offset .. expert_offset+El-1; I may be a slice of the
+         intermediate dim, so r is then a partial sum as well)
+Output   r [..., L] = sum over k with e_k held of w_k * w2[e_k] act(w3[e_k] z, w1[e_k] z), z = x @ w_down^T
+Attrs    top_k, renormalize, scaling, situ_beta, situ_linear_beta as kimi.MoE; expert_offset
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from onnx import TensorProto
 from kimi_compile.ops import OpDef, TensorType, register
 
 from . import body, reference
-from .body import ATTRS, INPUTS, NAME, OUTPUTS
+from .body import ATTRS, EXPERTS_ATTRS, EXPERTS_INPUTS, EXPERTS_NAME, EXPERTS_OUTPUTS, INPUTS, NAME, OUTPUTS
 
 
 def infer(types, attrs):
@@ -33,3 +42,15 @@ def infer(types, attrs):
 
 OP = register(OpDef(NAME, INPUTS, OUTPUTS, dict(ATTRS), function=body.moe, infer=infer, reference=reference.moe,
                     doc=__doc__, kind="fused"))
+
+
+def infer_experts(types, attrs):
+    x, w_down = types[0], types[3]
+    shape = None
+    if x and x.shape and w_down and w_down.shape:
+        shape = (*x.shape[:-1], w_down.shape[0])
+    return [TensorType(shape, TensorProto.FLOAT)]
+
+
+EXPERTS = register(OpDef(EXPERTS_NAME, EXPERTS_INPUTS, EXPERTS_OUTPUTS, dict(EXPERTS_ATTRS), function=body.moe_experts,
+                         infer=infer_experts, reference=reference.moe_experts, doc=__doc__, kind="fused"))

@@ -1,6 +1,6 @@
-"""ONNX function body of kimi.MoE (standard ops; semantics in __init__.py): sigmoid router with the bias used for
-selection only, TopK, renormalised and scaled weights, the selected experts gathered (GatherND) and applied in the
-latent with SiTU, RMSNorm and the up-projection, plus the shared experts on x."""
+"""ONNX function bodies of kimi.MoE and kimi.MoEExperts (standard ops; semantics in __init__.py): sigmoid router with
+the bias used for selection only, TopK, renormalised and scaled weights, the selected experts gathered (GatherND) and
+applied in the latent with SiTU, then (MoE) RMSNorm and the up-projection, plus the shared experts on x."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def situ_nodes(up: str, gate: str, out: str) -> list[NodeProto]:
     ]
 
 
-def moe() -> FunctionProto:
+def _router(weights: str) -> list[NodeProto]:
+    """Constants, attributes and the router: tokens flattened (moe_xf [N, hidden]), sigmoid scores, bias-corrected
+    TopK selection (moe_idx), weights from the uncorrected scores, renormalised and scaled (`weights`)."""
     n = helper.make_node
-    rms = ref_attr(n("RMSNormalization", ["moe_r", "norm_w"], ["moe_rn"], axis=-1, stash_type=1), "epsilon", "eps")
-    nodes = [
+    return [
         const("moe_ax1", [1]), const("moe_axm1", [-1]), const("moe_zero_f", [0.0], TensorProto.FLOAT, dims=[]),
         const("moe_one_f", [1.0], TensorProto.FLOAT, dims=[]), const("moe_zero_i", [0], dims=[]),
         attr_const("moe_beta", "situ_beta"), attr_const("moe_lbeta", "situ_linear_beta"),
@@ -43,11 +44,9 @@ def moe() -> FunctionProto:
         n("Where", ["moe_has_lbeta", "moe_lbeta", "moe_one_f"], ["moe_lbeta_safe"]),
         n("Reshape", ["moe_k0", "moe_axm1"], ["moe_k"]),
         n("Greater", ["moe_renorm0", "moe_zero_i"], ["moe_renorm"]),
-        # flatten tokens: xf [N, hidden]
         n("Shape", ["x"], ["moe_hidden"], start=-1),
         n("Concat", ["moe_axm1", "moe_hidden"], ["moe_flat"], axis=0),
         n("Reshape", ["x", "moe_flat"], ["moe_xf"]),
-        # router: sigmoid scores, bias-corrected selection, weights from the uncorrected scores
         n("Transpose", ["router_w"], ["moe_rwt"], perm=[1, 0]),
         n("MatMul", ["moe_xf", "moe_rwt"], ["moe_logits"]), n("Sigmoid", ["moe_logits"], ["moe_s"]),
         n("Add", ["moe_s", "router_bias"], ["moe_choice"]),
@@ -55,10 +54,17 @@ def moe() -> FunctionProto:
         n("GatherElements", ["moe_s", "moe_idx"], ["moe_w0"], axis=-1),
         n("ReduceSum", ["moe_w0", "moe_axm1"], ["moe_wsum"], keepdims=1),
         n("Where", ["moe_renorm", "moe_wsum", "moe_one_f"], ["moe_den"]),
-        n("Div", ["moe_w0", "moe_den"], ["moe_w1"]), n("Mul", ["moe_w1", "moe_scaling"], ["moe_w"]),
-        # routed experts in the latent
+        n("Div", ["moe_w0", "moe_den"], ["moe_w1"]), n("Mul", ["moe_w1", "moe_scaling"], [weights]),
+    ]
+
+
+def _experts(idx: str, weights: str) -> list[NodeProto]:
+    """The selected experts (expert ids `idx` [N, k] into w1/w3/w2) in the latent with SiTU, summed with `weights`:
+    moe_r [N, latent]."""
+    n = helper.make_node
+    return [
         n("Gemm", ["moe_xf", "w_down"], ["moe_z"], transB=1),
-        n("Unsqueeze", ["moe_idx", "moe_axm1"], ["moe_idx3"]),
+        n("Unsqueeze", [idx, "moe_axm1"], ["moe_idx3"]),
         n("GatherND", ["w1", "moe_idx3"], ["moe_w1g"]), n("Einsum", ["moe_z", "moe_w1g"], ["moe_gate"],
                                                           equation="nd,nkid->nki"),
         n("GatherND", ["w3", "moe_idx3"], ["moe_w3g"]), n("Einsum", ["moe_z", "moe_w3g"], ["moe_up"],
@@ -66,8 +72,17 @@ def moe() -> FunctionProto:
         *situ_nodes("moe_up", "moe_gate", "moe_h"),
         n("GatherND", ["w2", "moe_idx3"], ["moe_w2g"]), n("Einsum", ["moe_h", "moe_w2g"], ["moe_ye"],
                                                           equation="nki,nkdi->nkd"),
-        n("Unsqueeze", ["moe_w", "moe_axm1"], ["moe_w3d"]), n("Mul", ["moe_ye", "moe_w3d"], ["moe_yw"]),
+        n("Unsqueeze", [weights, "moe_axm1"], ["moe_w3d"]), n("Mul", ["moe_ye", "moe_w3d"], ["moe_yw"]),
         n("ReduceSum", ["moe_yw", "moe_ax1"], ["moe_r"], keepdims=0),
+    ]
+
+
+def moe() -> FunctionProto:
+    n = helper.make_node
+    rms = ref_attr(n("RMSNormalization", ["moe_r", "norm_w"], ["moe_rn"], axis=-1, stash_type=1), "epsilon", "eps")
+    nodes = [
+        *_router("moe_w"),
+        *_experts("moe_idx", "moe_w"),
         rms,
         n("Gemm", ["moe_rn", "w_up"], ["moe_routed"], transB=1),
         # shared experts on x
@@ -80,3 +95,34 @@ def moe() -> FunctionProto:
         n("Reshape", ["moe_yf", "moe_xshape"], ["y"]),
     ]
     return function(NAME, INPUTS, OUTPUTS, nodes, list(ATTRS))
+
+
+EXPERTS_NAME = "MoEExperts"
+EXPERTS_INPUTS = ("x", "router_w", "router_bias", "w_down", "w1", "w3", "w2")
+EXPERTS_OUTPUTS = ("r",)
+EXPERTS_ATTRS = {"top_k": 1, "renormalize": 1, "scaling": 1.0, "situ_beta": 1.0, "situ_linear_beta": 0.0,
+                 "expert_offset": 0}
+
+
+def moe_experts() -> FunctionProto:
+    """The routed part of kimi.MoE up to the latent sum, over the experts held here (global ids expert_offset ..
+    expert_offset + E_local - 1): a selected expert held elsewhere contributes 0 (its weight is masked, its index
+    clamped to a held one)."""
+    n = helper.make_node
+    nodes = [
+        const("moe_ax0", [0]),
+        *_router("moe_wg"),
+        attr_const("moe_off", "expert_offset", "value_int"),
+        # the experts held here: local index = global - offset, valid in [0, E_local)
+        n("Shape", ["w1"], ["moe_el1"], start=0, end=1), n("Squeeze", ["moe_el1", "moe_ax0"], ["moe_el"]),
+        n("Sub", ["moe_idx", "moe_off"], ["moe_loc"]),
+        n("GreaterOrEqual", ["moe_loc", "moe_zero_i"], ["moe_ge"]), n("Less", ["moe_loc", "moe_el"], ["moe_lt"]),
+        n("And", ["moe_ge", "moe_lt"], ["moe_held"]),
+        n("Where", ["moe_held", "moe_loc", "moe_zero_i"], ["moe_lidx"]),
+        n("Where", ["moe_held", "moe_wg", "moe_zero_f"], ["moe_w"]),
+        *_experts("moe_lidx", "moe_w"),
+        n("Shape", ["x"], ["moe_lead"], start=0, end=-1), n("Shape", ["w_down"], ["moe_lat"], start=0, end=1),
+        n("Concat", ["moe_lead", "moe_lat"], ["moe_rshape"], axis=0),
+        n("Reshape", ["moe_r", "moe_rshape"], ["r"]),
+    ]
+    return function(EXPERTS_NAME, EXPERTS_INPUTS, EXPERTS_OUTPUTS, nodes, list(EXPERTS_ATTRS))

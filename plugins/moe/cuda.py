@@ -1,5 +1,6 @@
-"""cuda backend kernel for kimi.MoE: router, top-k and the latent experts as grouped GEMMs over the tokens sorted by
-expert (static shapes: N*k rows whatever the routing, so the step can be captured in a CUDA graph).
+"""cuda backend kernels for kimi.MoE and kimi.MoEExperts: router, top-k and the latent experts as grouped GEMMs over
+the tokens sorted by expert (static shapes: N*k rows whatever the routing, so the step can be captured in a CUDA
+graph).
 
 Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
 (CPU, fp32) the same sorted layout through a gathered batched product. Selection and weights follow the op's
@@ -25,11 +26,12 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, offs: torch
     return torch.bmm(w.index_select(0, expert), x.unsqueeze(-1)).squeeze(-1)
 
 
-def moe(x, a):
-    (h, router_w, router_bias, w_down, w1, w3, w2, norm_w, w_up, sh_gate, sh_up, sh_down) = x
-    shape, dt = h.shape, h.dtype
-    k, E = int(a["top_k"]), router_w.shape[0]
-    xf = h.reshape(-1, shape[-1])
+def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0) -> torch.Tensor:
+    """r [N, L] fp32: the weighted latent sum over the held experts (global ids offset .. offset + w1.shape[0] - 1);
+    a selected expert held elsewhere gets weight 0 and a clamped index (N*k rows whatever the routing)."""
+    dt = h.dtype
+    k, E = int(a["top_k"]), w1.shape[0]
+    xf = h.reshape(-1, h.shape[-1])
     s = torch.sigmoid(xf.float() @ router_w.float().t())
     choice = s + router_bias.float()
     idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]  # ties -> lower expert
@@ -37,6 +39,10 @@ def moe(x, a):
     if a["renormalize"]:
         wk = wk / wk.sum(-1, keepdim=True)
     wk = wk * a["scaling"]
+    if offset or E != router_w.shape[0]:
+        local = idx - offset
+        held = (local >= 0) & (local < E)
+        idx, wk = torch.where(held, local, 0), torch.where(held, wk, 0.0)
     z = xf @ w_down.t().to(dt)
     flat = idx.reshape(-1)
     order = torch.sort(flat, stable=True).indices
@@ -52,6 +58,14 @@ def moe(x, a):
     r_sorted = _grouped(act, w2.to(dt), expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
     r = torch.zeros(xf.shape[0], r_sorted.shape[-1], dtype=torch.float32, device=h.device)
     r.index_add_(0, token, r_sorted)
+    return r
+
+
+def moe(x, a):
+    (h, router_w, router_bias, w_down, w1, w3, w2, norm_w, w_up, sh_gate, sh_up, sh_down) = x
+    shape, dt = h.shape, h.dtype
+    xf = h.reshape(-1, shape[-1])
+    r = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a)
     r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + a["eps"]) * norm_w.float()
     y = r.to(dt) @ w_up.t().to(dt)
     shared = _act((xf @ sh_up.t().to(dt)).float(), (xf @ sh_gate.t().to(dt)).float(), a["situ_beta"],
@@ -59,4 +73,12 @@ def moe(x, a):
     return ((y + shared).reshape(shape),)
 
 
-CUDA = {"MoE": Kernel(moe, devices=("cuda", "cpu"), name="torch.grouped_moe")}
+def moe_experts(x, a):
+    """kimi.MoEExperts: r [..., L] over the held experts (expert parallelism)."""
+    (h, router_w, router_bias, w_down, w1, w3, w2) = x
+    r = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, int(a["expert_offset"]))
+    return (r.to(h.dtype).reshape(*h.shape[:-1], r.shape[-1]),)
+
+
+CUDA = {"MoE": Kernel(moe, devices=("cuda", "cpu"), name="torch.grouped_moe"),
+        "MoEExperts": Kernel(moe_experts, devices=("cuda", "cpu"), name="torch.grouped_moe_experts")}

@@ -24,8 +24,8 @@ def test_prefill_then_decode_matches_full_forward(name, tiny_models):
     out = [model.prefill(ids[:, :13], cache)]
     out += [model.decode(ids[:, t], cache).unsqueeze(1) for t in range(13, 36)]
     got = torch.cat(out, dim=1)
-    for t in range(36):
-        assert rel(got[:, t], full[:, t]) < 1e-5, t
+    for t in range(36):  # chunked (full) vs step-by-step (decode) KDA: up to 1.3e-5 on the 4-head presets
+        assert rel(got[:, t], full[:, t]) < 5e-5, t
     assert cache.seq_lens.tolist() == [36, 36]
 
 
@@ -68,8 +68,8 @@ def test_indexer_with_topk_at_least_T_is_dense_mla(tiny_models):
     assert torch.equal(indexed(ids), dense(ids))  # prefill form: the selection mask is the causal mask, exactly
     c1, c2 = KimiCache(cfg, 2, 48, 8), KimiCache(dense.config, 2, 48, 8)
     indexed.prefill(ids[:, :30], c1), dense.prefill(ids[:, :30], c2)
-    for t in range(30, 40):  # decode form gathers the selected rows: same set, summed in another order
-        assert rel(indexed.decode(ids[:, t], c1), dense.decode(ids[:, t], c2)) < 1e-6
+    for t in range(30, 40):  # decode form gathers the selected rows: same set, summed in another order (1.5e-6)
+        assert rel(indexed.decode(ids[:, t], c1), dense.decode(ids[:, t], c2)) < 5e-6
 
 
 def test_small_topk_selects_the_brute_force_top_k(tiny_models):

@@ -102,6 +102,50 @@ def test_op_body_matches_reference(lbeta, renorm, k):
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
 
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_experts_op_split_over_expert_groups_sums_to_the_latent(groups):
+    """kimi.MoEExperts (expert parallel): its ONNX body, its numpy reference and the cuda backend's torch kernel (on
+    CPU tensors) agree on each group of experts, and the groups' latent sums add up to the one of all experts (the
+    latent kimi.MoE normalizes): RMSNorm(sum) and the up-projection then give kimi.MoE's routed output."""
+    import torch
+
+    from plugins.moe import cuda as moe_cuda
+
+    rng = np.random.default_rng(1)
+    N, hid, E, L, I = 9, 16, 8, 12, 10
+
+    def r(*s):
+        return (rng.standard_normal(s) * 0.3).astype(np.float32)
+
+    full = dict(x=r(1, N, hid) * 3, router_w=r(E, hid), router_bias=r(E), w_down=r(L, hid), w1=r(E, I, L),
+                w3=r(E, I, L), w2=r(E, L, I))
+    attrs = dict(top_k=3, renormalize=1, scaling=1.5, situ_beta=4.0, situ_linear_beta=25.0)
+    op = ops.lookup("MoEExperts")
+    el = E // groups
+    total = np.zeros((1, N, L))
+    for g in range(groups):
+        feeds = {**full, **{k: full[k][g * el:(g + 1) * el] for k in ("w1", "w3", "w2")}}
+        a = {**attrs, "expert_offset": g * el}
+        (got,) = _run_single(op, feeds, a)
+        want = op.reference(**feeds, **a)
+        (kern,) = moe_cuda.moe_experts([torch.from_numpy(feeds[k]) for k in op.inputs], a)
+        assert got.shape == want.shape == tuple(kern.shape) == (1, N, L)
+        assert _rel(got, want) < 1e-5 and _rel(kern.numpy(), want) < 1e-5
+        total += want
+    whole = op.reference(**full, **attrs, expert_offset=0)
+    assert _rel(total, whole) < 1e-6
+    norm_w, w_up = r(L), r(hid, L)
+    zeros = dict(shared_gate=np.zeros((4, hid), np.float32), shared_up=np.zeros((4, hid), np.float32),
+                 shared_down=np.zeros((hid, 4), np.float32))
+    moe = ops.lookup("MoE").reference(**full, norm_w=norm_w, w_up=w_up, **zeros, **attrs, eps=1e-5)
+    rn = total / np.sqrt((total * total).mean(-1, keepdims=True) + 1e-5) * norm_w
+    assert _rel(rn @ w_up.T, moe) < 1e-5
+
+
+def _rel(a, b) -> float:  # a group that no token selected holds zeros: absolute error there
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / (np.linalg.norm(b) or 1.0))
+
+
 # ---- negative: one mutation per refusal reason, each on the first MoE layer ------------------------------------
 
 def _identity_on(m, node: ir.Node, idx: int) -> None:

@@ -160,20 +160,21 @@ def test_fp8_bit_conversion_round_trips_every_code():
 
 @pytest.mark.slow
 def test_quant_recipe_end_to_end(quant_build):
-    """kimi-k3.1-tiny-quant: index-K and latent-KV bytes per token <= 0.55x bf16, indexer recall >= 0.9, the accuracy
+    """kimi-k3.1-tiny-quant: index-K and latent-KV bytes per token <= 0.55x bf16, indexer recall >= 0.85, the accuracy
     report in the manifest and report.md, later passes verified against the quantized graph, and the runtime running
-    the uint8 code and scale pools. Accuracy bounds: the README's measurement on this random tiny model (logits rel
-    err 0.187, KL 0.018, greedy agreement 0.86 = 55 of 64 steps; deterministic on CPU) with a margin: rel err in
-    (0, 0.20], KL in (0, 0.02], greedy agreement >= 0.80 (at most 3 more disagreeing steps)."""
+    the uint8 code and scale pools. Accuracy bounds: the README's measurement on this random tiny model (4 heads
+    since the tensor-parallel issue; logits rel err 0.214, KL 0.0225, greedy agreement 0.83 = 53 of 64 steps, recall
+    0.96 / 0.90; deterministic on CPU) with a margin: rel err in (0, 0.24], KL in (0, 0.026], greedy agreement >= 0.78
+    (at most 3 more disagreeing steps)."""
     from kimi_compile.runtime import load
 
     res = quant_build[1]
     acc = res.manifest["accuracy"]
     assert {c["cache"] for c in acc["caches"]} == {"kv.3", "index_k.3", "kv.5", "index_k.5"}
     assert all(c["ratio_vs_bf16"] <= 0.55 for c in acc["caches"]), acc["caches"]
-    assert all(r >= 0.9 for r in acc["recall"].values()), acc["recall"]
-    assert 0 < acc["logits_rel_err"] <= 0.20 and 0 < acc["kl"] <= 0.02, acc
-    assert 0.80 <= acc["greedy_agreement"] <= 1, acc
+    assert all(r >= 0.85 for r in acc["recall"].values()), acc["recall"]
+    assert 0 < acc["logits_rel_err"] <= 0.24 and 0 < acc["kl"] <= 0.026, acc
+    assert 0.78 <= acc["greedy_agreement"] <= 1, acc
     rows = {r["name"]: r for r in res.manifest["cache_layouts"]}
     assert rows["index_k.3"]["dtype"] == "uint8" and rows["index_k.3.scale"]["scale_layout"].startswith("e8m0 per 32")
     assert rows["kv.3"]["bytes_per_token"] + rows["kv.3.scale"]["bytes_per_token"] == 17

@@ -80,7 +80,7 @@ def memory_plans(graphs: dict, export: dict, opts: Options) -> dict[str, dict[st
     out: dict[str, dict[str, dict]] = {}
     for phase, m in graphs.items():
         prog = Program(m, "meta", weights=False, kernel_device="cpu")
-        for B, T in cases.get(phase, []):
+        for B, T in cases.get(phase.partition(".rank")[0], []):  # a rank's graph: its phase's cases
             dims = {"batch": B, "seq": T, "max_blocks": mb, "num_blocks": B * mb + 1}
             feeds = {v.name: torch.empty([d if isinstance(d, int) else dims[str(d)] for d in v.shape],
                                          dtype=torch_dtype(v.dtype), device="meta") for v in m.graph.inputs}
@@ -124,12 +124,19 @@ class Executor:
     device tensors from `zeros()`; the graphs update them in place (the `<cache>.out` outputs are those tensors)."""
 
     def __init__(self, artifact_dir: Path, manifest: dict, device: str | None = None, plan: bool = True,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, rank: int | None = None):
+        """`rank`: which rank's graphs a partitioned artifact runs here (manifest `parallel`; the ranks run together,
+        each in its own process, over torch.distributed: backends/cuda/distributed.py)."""
         import torch
 
         self.torch = torch
         self.dir = Path(artifact_dir)
         self.manifest = manifest
+        world = int(manifest.get("parallel", {}).get("world", 1))
+        if world > 1 and rank is None:
+            raise ValueError(f"{artifact_dir} is partitioned for {world} ranks: load it with a rank, one process per "
+                             f"rank (torchrun --nproc-per-node {world} -m kimi_compile run ...)")
+        self.rank = rank if world > 1 else None
         self.options = options(manifest.get("recipe", {}).get("backend", {}).get("options"), str(artifact_dir))
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.plan = plan
@@ -157,7 +164,8 @@ class Executor:
             from kimi_compile.backends.cuda.program import Program
             from kimi_compile.functions import attach_functions
 
-            m = ir.load(self.dir / self.manifest["graphs"][phase]["file"])
+            key = phase if self.rank is None else f"{phase}.rank{self.rank}"
+            m = ir.load(self.dir / self.manifest["graphs"][key]["file"])
             attach_functions(m)
             self._programs[phase] = Program(m, self.device)
         return self._programs[phase]
@@ -178,8 +186,22 @@ class Executor:
 
         dev = {k: v.to(self.device) if isinstance(v, torch.Tensor) else
                _to_torch(np.asarray(v), None, self.device) for k, v in feeds.items()}
+        if phase == "prefill" and int((self.manifest.get("parallel") or {}).get("cp", 1)) > 1:
+            from kimi_compile.backends.cuda.context_parallel import run_prefill
+
+            return run_prefill(self, dev)  # this rank's pieces of every sequence (docs/context_parallel.md)
         graphs = self.graphs and (phase == "decode" or self.options.prefill_graphs)
-        return self.program(phase).run(dev, plan=self.plan, graphs=graphs)
+        T, pad = dev["input_ids"].shape[1], self._sequence_pad(phase, dev["input_ids"].shape[1])
+        if pad:  # sequence parallel: the tokens split evenly over the ranks (extra rows are padding: lengths)
+            dev["input_ids"] = torch.nn.functional.pad(dev["input_ids"], (0, pad))
+        out = self.program(phase).run(dev, plan=self.plan, graphs=graphs)
+        return {**out, "logits": out["logits"][:, :T]} if pad else out
+
+    def _sequence_pad(self, phase: str, T: int) -> int:
+        par = self.manifest.get("parallel") or {}
+        if phase != "prefill" or not par.get("sequence_parallel"):
+            return 0
+        return -T % int(par["tp"])
 
     def stack(self, rows: list):
         return self.torch.stack(rows)
@@ -192,3 +214,12 @@ class Executor:
 
 def load(artifact_dir: Path, manifest: dict, threads: int | None = None, device: str | None = None, **kw) -> Executor:
     return Executor(artifact_dir, manifest, device=device, **kw)
+
+
+def init_distributed(manifest: dict) -> dict:
+    """For a partitioned artifact: join its process group (backends/cuda/distributed.py); the executor options of
+    this process's rank ({"rank", "device"})."""
+    from kimi_compile.backends.cuda.distributed import init
+
+    rank, device = init(manifest)
+    return {"rank": rank, "device": device}
