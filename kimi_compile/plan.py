@@ -20,16 +20,16 @@ and run through the recipe's own passes, partition_tp included; rank 0's graphs 
                  (its full-size, unscattered shape), in the decode graph (T = 1) and the prefill graph.
 
 Evaluated at the target config, each region kind's bytes are multiplied by the number of layers of that kind there
-(`region_counts`). Layouts the partition pass does not build are composed from one it does, and say so:
+(`region_counts`). Context parallelism is read from real graphs; attention data parallel (ep > tp) is composed
+from a layout the pass builds, and says so:
 
     tp8+ep16     ep > tp: attention data parallel. dp = ep/tp groups of tp ranks, each group running its own
                  requests; routed experts split over all tp*dp ranks. From the (tp, ep=tp) graphs: routed expert
                  tensors held / dp; per MoE layer and token a cross-group exchange of the MoEExperts node's input
                  (D) out and its latent output (L) back, (dp-1)/dp of each.
-    tp8xcp4      context parallel (issue 18, no partition_cp pass yet): the tp graphs' weights, caches and decode;
-                 prefill adds per token of the prompt the all-gather of what each MLA layer stores (latent KV and
-                 index-K rows of the cache pools, (cp-1)/cp), and per sequence each KDA layer's state map
-                 (A [dk, dk] and B [dk, dv] per head of the rank) all-gathered over cp.
+    tp8xcp4      tp x cp: partition_tp then partition_cp (appended to the recipe's passes when it lacks it); no
+                 sequence parallelism with cp. Prefill collectives whose tensor has a token axis are per prompt
+                 token, the others (the lengths gather) per sequence; graph inputs gathered once per graph.
 
 Wire bytes assume ring collectives over P ranks: AllReduce 2(P-1)/P of the tensor, AllGather / ReduceScatter
 (P-1)/P, AllToAll (P-1)/P.
@@ -86,9 +86,10 @@ class Layout:
 
     @property
     def built(self) -> ParallelSpec:
-        """The layout the partition pass builds and the plan reads (ep capped at tp; cp left to composition)."""
-        return ParallelSpec(tp=self.tp, ep=min(self.ep, self.tp), cp=1,
-                            sequence_parallel=self.sequence_parallel and self.tp > 1)
+        """The layout the partition passes build and the plan reads (ep capped at tp; no sequence parallelism with
+        cp: the recipe schema refuses it)."""
+        return ParallelSpec(tp=self.tp, ep=min(self.ep, self.tp), cp=self.cp,
+                            sequence_parallel=self.sequence_parallel and self.tp > 1 and self.cp == 1)
 
     @property
     def name(self) -> str:
@@ -97,7 +98,7 @@ class Layout:
             s += f"+ep{self.ep}"
         if self.cp > 1:
             s += f"xcp{self.cp}"
-        return s + ("" if self.sequence_parallel or self.tp == 1 else " (no sp)")
+        return s + ("" if self.sequence_parallel or self.tp == 1 or self.cp > 1 else " (no sp)")
 
     @classmethod
     def parse(cls, text: str) -> Layout:
@@ -225,12 +226,13 @@ class DimMap:
 
 @dataclasses.dataclass
 class Collective:
-    op: str
+    op: str  # "AllGather", or "AllGather(cp)" for the context-parallel group
     region: str
     role: str
     elements: int | None  # of the tensor it moves, per token; None: its shape is unknown in the graph
     itemsize: int
     world: int
+    per: str = "token"  # token: its tensor has the token axis; sequence: it has none (KDA state maps, lengths)
 
     @property
     def wire_factor(self) -> float:
@@ -263,7 +265,7 @@ def _region_kinds(m) -> tuple[list[tuple[str, list]], dict]:
     def kind_of(nodes) -> str:
         ops = {(n.domain, n.op_type) for n in nodes}
         roles = {n.metadata_props.get("kimi.partition_role") for n in nodes}
-        if ("kimi", "KDA") in ops:
+        if any(d == "kimi" and t.startswith("KDA") for d, t in ops):  # KDA, or partition_cp's segment ops
             return "kda"
         if ("kimi", "SparseMLA") in ops:
             return "mla_indexer" if ("kimi", "IndexerTopK") in ops else "mla"
@@ -361,11 +363,11 @@ def read_rank(graphs: dict, probe: KimiConfig, target: KimiConfig, ep: int) -> R
         if n.domain == "kimi" and n.op_type == "MoEExperts":
             moe_io = (dmap(int(n.inputs[0].shape[-1]), n.name), dmap(int(n.outputs[0].shape[-1]), n.name))
             break
-    return RankGraphs(weights, caches, _collectives(dec, dmap), _collectives(graphs["prefill"], dmap), moe_io,
+    return RankGraphs(weights, caches, _collectives(dec, dmap), _collectives(graphs["prefill"], dmap, prefill=True), moe_io,
                       experts)
 
 
-def _collectives(m, dmap: DimMap) -> list[Collective]:
+def _collectives(m, dmap: DimMap, prefill: bool = False) -> list[Collective]:
     regions, where = _region_kinds(m)
     out = []
     for n in m.graph:
@@ -379,8 +381,13 @@ def _collectives(m, dmap: DimMap) -> list[Collective]:
         # a shape the passes left unknown: counted, its bytes not (the plan's notes say how many)
         elems = None if shape is None else math.prod(dmap(d, n.name) for d in shape if isinstance(d, int))
         world = int(n.attributes["world"].value) if "world" in n.attributes else 1
-        out.append(Collective(n.op_type, regions[where[n]][0], n.metadata_props.get("kimi.partition_role", ""),
-                              elems, v.dtype.itemsize if v.dtype is not None else 4, world))
+        group = n.attributes["group"].value if "group" in n.attributes else "tp"
+        axes = [d for t in (n.inputs[0].shape, shape) if t is not None for d in t]  # the shard has the token axis
+        per = "token" if not prefill or shape is None or any("seq" in str(d) for d in axes) else "sequence"
+        region = "global" if n.inputs[0].is_graph_input() else regions[where[n]][0]  # once per graph (lengths)
+        out.append(Collective(n.op_type + (f"({group})" if group != "tp" else ""), region,
+                              n.metadata_props.get("kimi.partition_role", ""), elems,
+                              v.dtype.itemsize if v.dtype is not None else 4, world, per))
     return out
 
 
@@ -419,8 +426,12 @@ def partitioned_graphs(recipe: Recipe, cfg: KimiConfig, spec: ParallelSpec, *, c
     for m in graphs.values():
         attach_functions(m)
     r = dataclasses.replace(recipe, parallel=spec)
+    if spec.cp > 1 and not any(p.name == "partition_cp" and p.enabled for p in r.passes):
+        from kimi_compile.recipe import PassSpec
+
+        r = dataclasses.replace(r, passes=(*r.passes, PassSpec(name="partition_cp", enabled=True, options={})))
     passes = pipeline.resolve(r)
-    say(f"passes for {spec.tp} ranks (ep {spec.ep})")
+    say(f"passes for tp {spec.tp} (ep {spec.ep}) x cp {spec.cp}")
     res = pipeline.run(graphs, passes, cache=cache, keys=dict.fromkeys(PHASES, key))
     pick = lambda ph: res.graphs[ph] if ph in res.graphs else res.graphs[f"{ph}.rank0"]  # noqa: E731
     return {ph: pick(ph) for ph in PHASES}
@@ -457,8 +468,8 @@ def _sum_collectives(cols: list[Collective], counts: dict[str, int], probe_count
                      itemsize: int | None) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for c in cols:
-        k = counts.get(c.region, 0) / max(probe_counts.get(c.region, 1), 1)
-        size = itemsize or c.itemsize
+        k = 1 if c.region == "global" else counts.get(c.region, 0) / max(probe_counts.get(c.region, 1), 1)
+        size = c.itemsize if itemsize is None or c.itemsize == 8 else itemsize  # int64 slots stay 8 bytes
         row = out.setdefault(c.op, {"count": 0, "bytes": 0, "wire": 0.0})
         row["count"] += k
         if c.elements is None:
@@ -491,13 +502,13 @@ def plan_layout(rank: RankGraphs, probe: KimiConfig, target: KimiConfig, lay: La
     notes = []
     isz = DTYPE_BYTES[act_dtype] if act_dtype else None
     decode = _sum_collectives(rank.decode, counts, pcounts, isz)
-    prefill = _sum_collectives(rank.prefill, counts, pcounts, isz)
-    for phase, tbl in (("decode", decode), ("prefill", prefill)):
+    prefill = _sum_collectives([c for c in rank.prefill if c.per == "token"], counts, pcounts, isz)
+    prefill_seq = _sum_collectives([c for c in rank.prefill if c.per == "sequence"], counts, pcounts, isz)
+    for phase, tbl in (("decode", decode), ("prefill", prefill), ("prefill (per sequence)", prefill_seq)):
         for op, row in tbl.items():
             if row.get("unknown"):
                 notes.append(f"{phase}: {row['unknown']} of the {row['count']} {op} nodes have no shape in the "
                              "partitioned graph; their bytes are not counted")
-    prefill_seq: dict[str, dict] = {}
     cache_token: dict[str, int] = {}
     cache_seq: dict[str, int] = {}
     per_layer = {"kv": "mla", "index_k": "mla_indexer", "conv": "kda", "state": "kda"}
@@ -523,15 +534,8 @@ def plan_layout(rank: RankGraphs, probe: KimiConfig, target: KimiConfig, lay: La
                                "bytes": round(counts["moe"] * (d_in + l_out) * size),
                                "wire": round(counts["moe"] * (d_in + l_out) * size * frac)}
     if lay.cp > 1:
-        notes.append(f"cp{lay.cp}: no partition_cp pass yet (issue 18); prefill exchange composed from the "
-                     f"tp{lay.tp} rank graph's cache pools and KDA state shapes")
-        frac = (lay.cp - 1) / lay.cp
-        size_of = {c["kind"]: c["itemsize"] for c in rank.caches}
-        kv = sum(cache_token.get(k, 0) * (isz or size_of.get(k, 4)) for k in ("kv", "index_k"))
-        prefill["AllGather(cp)"] = {"count": counts["mla"] + counts["mla_indexer"] * 2, "bytes": kv,
-                                    "wire": round(kv * frac)}
-        st = cache_seq.get("state", 0) * 4  # the state maps are fp32: A [dk, dk] and B [dk, dv] per head
-        prefill_seq["AllGather(cp)"] = {"count": counts["kda"], "bytes": 2 * st, "wire": round(2 * st * frac)}
+        notes.append(f"cp{lay.cp}: read from the partition_cp graphs (after partition_tp); no sequence parallelism "
+                     "with cp; decode graphs stay whole")
     return LayoutPlan(lay, sum(regions.values()), other, regions, experts, cache_token, cache_seq, decode, prefill,
                       prefill_seq, notes)
 
@@ -601,9 +605,9 @@ def render(model: str, plans: list[LayoutPlan]) -> str:
         row(f"prefill token: {op} (count, payload)",
             lambda p, op=op: f"{p.prefill[op]['count']}, {_size(p.prefill[op]['bytes'])}" if op in p.prefill else "-")
     row("prefill token: wire bytes per rank", lambda p: _size(sum(r["wire"] for r in p.prefill.values())))
-    if any(p.prefill_sequence for p in plans):
-        row("prefill sequence: KDA state maps (cp)",
-            lambda p: _size(sum(r["bytes"] for r in p.prefill_sequence.values())) if p.prefill_sequence else "-")
+    for op in sorted({op for p in plans for op in p.prefill_sequence}):
+        row(f"prefill sequence: {op} (count, payload)", lambda p, op=op: f"{p.prefill_sequence[op]['count']}, "
+            f"{_size(p.prefill_sequence[op]['bytes'])}" if op in p.prefill_sequence else "-")
     notes = [f"- {p.layout.name}: {n}" for p in plans for n in p.notes]
     lines += ["", "Activations and collectives in bf16; caches per rank (heads split for KDA; the MLA latent and "
               "index-K pools whole on every rank). fp8 rows: 1 byte per element, scales not included."]

@@ -61,7 +61,8 @@ def test_layout_names_and_parsing():
     assert Layout.parse("tp8+ep16") == Layout(8, 16, 1)
     assert Layout.parse("tp8xcp4") == Layout(8, 1, 4)
     assert Layout.parse("tp8+ep16").dp == 2 and Layout.parse("tp8+ep16").world == 16
-    assert Layout.parse("tp8xcp4").world == 32 and Layout.parse("tp8xcp4").built.cp == 1
+    assert Layout.parse("tp8xcp4").world == 32 and Layout.parse("tp8xcp4").built.cp == 4
+    assert not Layout.parse("tp8xcp4").built.sequence_parallel
     with pytest.raises(PlanError, match="ep=3 must divide tp=8"):
         Layout.parse("tp8+ep3")
     with pytest.raises(PlanError, match="multiple of tp"):
@@ -159,3 +160,6 @@ def test_plan_text_table_and_json(recipe, cache, planned):
     assert same["weight_elements"] == planned.weight_elements
     assert dp["layout"]["world"] == 4 and dp["weight_elements"] < same["weight_elements"]
     assert dp["decode"]["AllToAll"]["count"] == 2 * 5  # dispatch and combine per MoE layer (5 in the tiny)
+    (cp,) = json.loads(plan_text(path, ("tp2xcp2",), as_json=True, act_dtype="fp32", cache=cache))["plans"]
+    assert cp["layout"]["world"] == 4 and cp["weight_elements"] == planned.weight_elements  # cp replicates weights
+    assert cp["decode"] == planned.decode and "AllGather(cp)" in cp["prefill"]  # decode stays whole
