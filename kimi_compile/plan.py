@@ -394,6 +394,9 @@ def _collectives(m, dmap: DimMap, prefill: bool = False) -> list[Collective]:
 # ---- building the probe's rank graphs -----------------------------------------------------------------------------
 
 
+_SCRATCH: dict[tuple[str, str], Path] = {}  # probe traces made outside a read-only compile cache, this process
+
+
 def partitioned_graphs(recipe: Recipe, cfg: KimiConfig, spec: ParallelSpec, *, cache=None,
                        say: Callable[[str], None] = lambda _m: None) -> dict[str, Any]:
     """Rank 0's {"decode", "prefill"} graphs of the model `cfg` (random weights, seed 0) through the recipe's passes
@@ -421,7 +424,12 @@ def partitioned_graphs(recipe: Recipe, cfg: KimiConfig, spec: ParallelSpec, *, c
         with torch.no_grad():
             graph_io.save(trace(init_random(build_model(cfg), seed=0), opts), d)
 
-    entry, _hit = cache.get_or_create("trace", key, produce)
+    memo = (str(cache.root), key)
+    entry = _SCRATCH.get(memo)
+    if entry is None:
+        entry, hit = cache.get_or_create("trace", key, produce)
+        if not hit and cache.read_only:  # a scratch trace (lives until exit): reuse it for the next layout
+            _SCRATCH[memo] = entry
     graphs = {p: graph_io.load(entry, p) for p in PHASES}
     for m in graphs.values():
         attach_functions(m)
