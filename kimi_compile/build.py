@@ -317,15 +317,9 @@ def _parallel(recipe: Recipe, graphs: dict, record: dict) -> dict:
     ranks = []
     for r in range(p.world):
         own = {ph: f"{ph}.rank{r}" for ph in PHASES}
-        weights = {}
-        for ph in own.values():  # one weights file per rank: prefill and decode share equal initializers (the
-            for name, v in graphs[ph].graph.initializers.items():  # exporter's val_N names are per graph, so a
-                if v.const_value is not None:  # name with another shape is another tensor)
-                    key = (name, v.const_value.dtype, tuple(v.const_value.shape))
-                    weights[key] = ("kimi.shard" in v.metadata_props, v.const_value.nbytes)
-        ranks.append({"rank": r, "graphs": own, "weights": record[own["prefill"]]["weights"],
-                      "weight_bytes": {"sharded": sum(n for s, n in weights.values() if s),
-                                       "replicated": sum(n for s, n in weights.values() if not s)}})
+        weights = record[own["prefill"]]["weights"]  # the backend counted what it wrote (backends/serialize.py)
+        ranks.append({"rank": r, "graphs": own, "weights": weights,
+                      "weight_bytes": record["_weight_bytes"][Path(weights).name]})
     groups = {"tp": [list(range(c * p.tp, (c + 1) * p.tp)) for c in range(p.cp)]}
     if p.cp > 1:  # context parallel: the ranks holding one model's pieces of a sequence (one group per tp index)
         groups["cp"] = [[t + c * p.tp for c in range(p.cp)] for t in range(p.tp)]

@@ -277,6 +277,23 @@ def inspect(artifact, as_json, diff_against):
     c.print(f"precision plan: {info['precision_plan'] or 'fp32 everywhere (no rules)'}")
 
 
+@main.command("plan")
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--layout", "layouts", multiple=True,
+              help="A layout to plan: tp8, tp8+ep16 (ep > tp: attention data-parallel groups), tp8xcp4, tp2+nosp; "
+                   "repeat for more columns. Default: the recipe's parallel layout.")
+@click.option("--dtype", "act_dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Element type of activations in the collectives.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
+def plan_cmd(recipe, layouts, act_dtype, as_json):
+    """Per-rank weight bytes, cache bytes per token, collective bytes per decode step and per prefill token of the
+    recipe's model, read from partitioned graphs of a small probe of it (no weights needed; docs/parallel.md)."""
+    from kimi_compile.plan import plan_text
+
+    click.echo(plan_text(recipe, layouts, as_json=as_json, act_dtype=act_dtype,
+                         say=lambda msg: click.echo(msg, err=True)))
+
+
 def _attach_cache():
     from kimi_compile.cli_cache import cache
     from kimi_compile.cli_verify import verify

@@ -20,7 +20,7 @@ import numpy as np
 from kimi_compile.backends.serialize import write_graphs
 
 NAME = "onnxruntime"
-BUILD_VERSION = 2  # bump when the files build() writes change (part of the cache key)
+BUILD_VERSION = 3  # bump when the files build() writes change (part of the cache key)
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
 
 log = logging.getLogger(__name__)

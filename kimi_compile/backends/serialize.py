@@ -26,10 +26,12 @@ def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
     gdir.mkdir(parents=True, exist_ok=True)
     shared = 0
     files: dict[str, list[str]] = {}
+    held: dict[str, dict[str, int]] = {}
     for phase in graphs:
         files.setdefault(weights_file(phase), []).append(phase)
     for name, phases in files.items():
-        shared += _write_weights(graphs, phases, gdir, name)
+        n, held[name] = _write_weights(graphs, phases, gdir, name)
+        shared += n
     import onnx_ir as ir
 
     record: dict[str, Any] = {}
@@ -39,13 +41,18 @@ def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
         (Path(out_dir) / rel).write_bytes(proto.SerializeToString())
         record[phase] = {"file": rel, "weights": f"graphs/{weights_file(phase)}"}
     record["_shared_initializers"] = shared
+    record["_weight_bytes"] = held
     return record
 
 
-def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) -> int:
+def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) -> tuple[int, dict[str, int]]:
+    """Writes the initializers of `phases` into `weights`; (tensors shared between the phases, the bytes the
+    phases hold: {"sharded": a partition pass's slices (kimi.shard metadata), "replicated": the rest}, each distinct
+    (name, content) once, small inline constants included)."""
     import onnx_ir as ir
 
     offsets: dict[tuple[str, str], tuple[int, int]] = {}
+    held: dict[tuple[str, str], tuple[bool, int]] = {}
     shared = 0
     with open(gdir / weights, "wb") as f:
         for phase in phases:
@@ -55,10 +62,11 @@ def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) ->
                 if tensor is None:
                     continue
                 data = tensor.tobytes()
+                key = (name, hashlib.sha256(data).hexdigest())
+                held[key] = ("kimi.shard" in value.metadata_props, len(data))
                 if len(data) < 1024:  # small constants stay inline
                     value.const_value = ir.Tensor(tensor.numpy(), name=name)
                     continue
-                key = (name, hashlib.sha256(data).hexdigest())
                 if key in offsets:
                     shared += 1
                 else:
@@ -69,4 +77,5 @@ def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) ->
                 off, length = offsets[key]
                 value.const_value = ir.ExternalTensor(weights, off, length, tensor.dtype, shape=tensor.shape,
                                                       name=name, base_dir=str(gdir))
-    return shared
+    return shared, {"sharded": sum(n for s, n in held.values() if s),
+                    "replicated": sum(n for s, n in held.values() if not s)}
