@@ -127,7 +127,7 @@ def _nbytes(v: ir.Value) -> int:
 
 class PartitionTPPass(KimiPass):
     name = "partition_tp"
-    version = 2
+    version = 3
     changes_signature = True  # KDA cache inputs take their heads' slice
     partitions = True  # the pipeline runs one copy per rank (for_rank)
 
@@ -672,6 +672,9 @@ class PartitionTPPass(KimiPass):
                     n.metadata_props.get("kimi.partition_role") == "exit":
                 v = n.outputs[0]
                 axis = _token_axis(v)
+                if axis is not None and _flat(v, axis) and self._after_unflatten(n):
+                    v = n.outputs[0]
+                    axis = _token_axis(v)
                 if axis is None:
                     self.stats.refuse("sp_token_axis", node=n.name)
                     continue
@@ -705,6 +708,31 @@ class PartitionTPPass(KimiPass):
             if v in domain:
                 raise Refuse("sp_graph_output", v.name)
         self.stats.add("sequence_parallel.shards", len(domain))
+
+    def _after_unflatten(self, n: ir.Node) -> bool:
+        """An exit on the flattened tokens ([B*T, D], a MoE output) whose one reader restores [B, T, D]: the reshape
+        moves before the reduction (a sum commutes with it), so the exit scatters each sequence's tokens and the
+        residual stream stays on shards (a [B*T] shard is not a shard of every sequence for B > 1)."""
+        out = n.outputs[0]
+        uses = list(out.uses())
+        if len(uses) != 1 or out in self.g.outputs:
+            return False
+        r, idx = uses[0].node, uses[0].idx
+        if r.domain != "" or r.op_type != "Reshape" or idx != 0:
+            return False
+        y = r.outputs[0]
+        ax = _token_axis(y)
+        if ax is None or _flat(y, ax) or y in self.g.outputs:
+            return False
+        r.replace_input_with(0, n.inputs[0])
+        for u in list(y.uses()):
+            u.node.replace_input_with(u.idx, out)
+        n.replace_input_with(0, y)
+        out.shape = y.shape
+        self.g.remove(n)
+        self.g.insert_after(r, n)
+        self.stats.add("sequence_parallel.unflattened_exits")
+        return True
 
     def _tokenwise(self, n: ir.Node, domain: dict) -> list[int] | None:
         """Token axes of n's outputs when n runs on sequence shards as it is (every data input on shards with
