@@ -13,6 +13,7 @@ Stages and cache keys (DESIGN.md §3, "Compile cache"):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import platform

@@ -242,9 +242,9 @@ def inspect(artifact, as_json, diff_against):
     if "diff" in info:
         c.print()
         if not info["diff"]["ops"]:
-            c.print(f"no differences in ops relative to {info['diff']['against']}")
+            c.print(f"no differences in ops relative to {info['diff']['against']}", soft_wrap=True)
         else:
-            c.print(f"ops added (+) / removed (-) relative to {info['diff']['against']}:")
+            c.print(f"ops added (+) / removed (-) relative to {info['diff']['against']}:", soft_wrap=True)
             for phase, d in info["diff"]["ops"].items():
                 c.print(f"  {phase}: " + ", ".join(f"{k} {v:+d}" for k, v in d.items()))
     for phase, g in info["graphs"].items():

@@ -29,7 +29,9 @@ def test_fused_ops_come_from_the_registry_kinds():
     assert fused_ops() == {"IndexerTopK", "SparseMLA", "KDA", "MoE", "MoEExperts", "AttnResStage1", "AttnResMerge",
                           "MatMulNZ"}
     kinds = {o.name: o.kind for o in ops.registered()}
-    assert {n for n, k in kinds.items() if k == "primitive"} == {"PagedWrite", "PagedGather", "KDARecurrence"}
+    assert {n for n, k in kinds.items() if k == "primitive"} == {"PagedWrite", "PagedGather", "KDARecurrence",
+                                                                 "AllReduce", "AllGather", "ReduceScatter", "AllToAll"}
+    assert {n for n, k in kinds.items() if k == "partition"} == {"KDAConvTail", "KDASegmentMap", "KDASegmentReplay"}
     assert {n for n, k in kinds.items() if k == "quant"} == {"QuantizeMX", "DequantizeMX", "QDQMX", "QuantizeFP8Tile",
                                                              "DequantizeFP8Tile", "QDQFP8Tile"}
 

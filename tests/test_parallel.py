@@ -155,9 +155,19 @@ def test_ranks_match_the_single_rank_artifact(case, runs):
     assert got["tokens"].shape == (STEPS, len(PROMPTS))
 
 
-def _initializers(path: Path, graph: str) -> dict[str, ir.Value]:
+def _weights(path: Path, graph: str) -> dict[str, tuple[int, str, str | None]]:
+    """{initializer: (bytes, sha256 of its content, its kimi.shard record or None)}, each external tensor's memory
+    map released after reading (a worker running the whole file would otherwise hold thousands of them open)."""
     m = ir.load(path / "graphs" / f"{graph}.onnx")
-    return {name: v for name, v in m.graph.initializers.items() if v.const_value is not None}
+    out = {}
+    for name, v in m.graph.initializers.items():
+        t = v.const_value
+        if t is None:
+            continue
+        out[name] = (t.nbytes, hashlib.sha256(t.tobytes()).hexdigest(), v.metadata_props.get("kimi.shard"))
+        if isinstance(t, ir.ExternalTensor):
+            t.release()
+    return out
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -173,17 +183,15 @@ def test_shards_sum_to_the_unsharded_weights(case, artifacts):
     assert world == layout["tp"] and len(manifest["parallel"]["ranks"]) == world
     single, shards, whole = {}, {}, {}
     for phase in ("prefill", "decode"):
-        single.update({(phase, n): v.const_value.nbytes
-                       for n, v in _initializers(artifacts[f"{preset}-tp1"], phase).items()})
+        single.update({(phase, n): w[0] for n, w in _weights(artifacts[f"{preset}-tp1"], phase).items()})
     for r in range(world):
         held_bytes = {}
         for phase in ("prefill", "decode"):
-            for name, v in _initializers(art, f"{phase}.rank{r}").items():
-                held_bytes[(name, hashlib.sha256(v.const_value.tobytes()).hexdigest())] = v.const_value.nbytes
-                meta = v.metadata_props.get("kimi.shard")
+            for name, (nbytes, sha, meta) in _weights(art, f"{phase}.rank{r}").items():
+                held_bytes[(name, sha)] = nbytes  # one weights file per rank: each (name, content) once
                 if meta is not None:
                     src = (phase, json.loads(meta).get("of", name))
-                    shards[src] = shards.get(src, 0) + v.const_value.nbytes
+                    shards[src] = shards.get(src, 0) + nbytes
                 else:
                     whole[(phase, name)] = whole.get((phase, name), 0) + 1
         rec = manifest["parallel"]["ranks"][r]
