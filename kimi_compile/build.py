@@ -301,7 +301,7 @@ def _manifest(recipe, src, backend, record, traced, result, stats, accuracy, opt
                     "eos_token_id": cfg.eos_token_id, "max_seq_len": recipe.export.max_seq_len,
                     "max_batch": recipe.export.max_batch, "prefill_chunk": recipe.export.prefill_chunk,
                     "caches": [{"name": c["name"], "shape": c["shape"], "dtype": c["dtype"]} for c in layouts]},
-        **({"parallel": _parallel(recipe, graphs, record)} if recipe.parallel.world > 1 else {}),
+        **({"parallel": _parallel(recipe, graphs, record, cfg)} if recipe.parallel.world > 1 else {}),
     }
 
 
@@ -310,10 +310,10 @@ def _first_rank(graphs: dict, phase: str):
     return graphs[phase] if phase in graphs else graphs[f"{phase}.rank0"]
 
 
-def _parallel(recipe: Recipe, graphs: dict, record: dict) -> dict:
+def _parallel(recipe: Recipe, graphs: dict, record: dict, cfg) -> dict:
     """The parallel layout of a partitioned artifact (DESIGN.md §3 "Parallelism"): ranks, their process groups,
     each rank's graphs and weights file with the bytes it holds (sharded: its slices; replicated: whole tensors
-    every rank keeps), and how to launch it."""
+    every rank keeps), how to launch it, and with cp > 1 the prefill balance of the model under each layout."""
     p = recipe.parallel
     ranks = []
     for r in range(p.world):
@@ -324,6 +324,14 @@ def _parallel(recipe: Recipe, graphs: dict, record: dict) -> dict:
     groups = {"tp": [list(range(c * p.tp, (c + 1) * p.tp)) for c in range(p.cp)]}
     if p.cp > 1:  # context parallel: the ranks holding one model's pieces of a sequence (one group per tp index)
         groups["cp"] = [[t + c * p.tp for c in range(p.cp)] for t in range(p.tp)]
-    return {"tp": p.tp, "ep": p.ep, "cp": p.cp, "cp_layout": p.cp_layout, "sequence_parallel": p.sequence_parallel,
-            "world": p.world, "groups": groups, "ranks": ranks,
-            "launch": f"torchrun --nproc-per-node {p.world} -m kimi_compile run ARTIFACT --prompt-ids ..."}
+    out = {"tp": p.tp, "ep": p.ep, "cp": p.cp, "cp_layout": p.cp_layout, "sequence_parallel": p.sequence_parallel,
+           "world": p.world, "groups": groups, "ranks": ranks,
+           "launch": f"torchrun --nproc-per-node {p.world} -m kimi_compile run ARTIFACT --prompt-ids ..."}
+    if p.cp > 1:
+        from kimi_compile.cp_layout import balance_table
+
+        out["cp_balance"] = {"model": "per-rank indexer + attention FLOPs of one sequence under the causal mask "
+                                      "(kimi_compile/cp_layout.py: a token-count model of the graphs' dominant "
+                                      "terms, not a measurement)",
+                             "rows": balance_table(cfg, worlds=sorted({2, 4, 8, p.cp}))}
+    return out

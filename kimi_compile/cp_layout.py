@@ -100,7 +100,7 @@ def prefill_flops(cfg, length: int, world: int, layout: str) -> list[dict]:
     (kv_lora_rank + qk_rope_head_dim) per key, scores and values). A token-count model of the graphs' dominant
     terms, not a measurement; projections and MoE are token-wise and split evenly by any layout."""
     mla = cfg.num_hidden_layers - len(cfg.kda_layer_ids or [])
-    idx = 2 * cfg.index_n_heads * cfg.index_head_dim * mla
+    idx = 2 * cfg.index_n_heads * cfg.index_head_dim * mla if cfg.index_topk is not None else 0  # K3: dense MLA
     att = 4 * cfg.num_attention_heads * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * mla
     bs = bounds(length, world, layout)
     out = []

@@ -249,6 +249,19 @@ def _accuracy(acc: Mapping[str, Any]) -> Section:
     return ("Accuracy (quantized vs unquantized)", 2, blocks)
 
 
+def _cp_balance(balance: Mapping[str, Any]) -> Section:
+    rows = [[_tokens(r["tokens"]), r["cp"], r["layout"], f"{r['max_over_mean']:.4f}", f"{r['max_tflop']:.4g}",
+             f"{r['mean_tflop']:.4g}"] for r in balance["rows"]]
+    return ("Context-parallel balance", 2, [
+        f"max/mean over ranks of the {balance.get('model', '')}; zigzag keeps it near 1.0, contiguous approaches "
+        "(2P-1)/P.",
+        Table(["prompt tokens", "cp", "layout", "max / mean", "max TFLOP", "mean TFLOP"], rows, right=(1, 3, 4, 5))])
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
 def _coverage(coverage: Mapping[str, Any]) -> list[Section]:
     out: list[Section] = []
     for phase, cov in coverage.items():
@@ -283,6 +296,9 @@ def sections(manifest: Mapping[str, Any]) -> list[Section]:
     acc = _map(manifest, "accuracy")
     if acc and all(k in acc for k in ("logits_rel_err", "kl", "kl_max", "greedy_agreement", "greedy_prefix")):
         out.append(_accuracy(acc))
+    balance = _map(_map(manifest, "parallel"), "cp_balance")
+    if isinstance(balance.get("rows"), list) and balance["rows"]:
+        out.append(_cp_balance(balance))
     for sec in (_caches(manifest.get("cache_layouts")), _precision(manifest.get("precision_plan"))):
         if sec:
             out.append(sec)
@@ -490,6 +506,25 @@ def plot_accuracy(manifest: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return [("Agreement of the quantized artifact with the unquantized graphs (1.0 = identical).", fig)]
 
 
+def plot_cp_balance(manifest: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    rows = [r for r in _map(_map(manifest, "parallel"), "cp_balance").get("rows") or [] if isinstance(r, Mapping)]
+    if not rows:
+        return []
+    fig, ax = _figure(8.5, 3.6)
+    styles = {"zigzag": "-", "contiguous": "--"}
+    for layout in sorted({r["layout"] for r in rows}):
+        for cp in sorted({r["cp"] for r in rows}):
+            pts = sorted((r["tokens"], r["max_over_mean"]) for r in rows if r["layout"] == layout and r["cp"] == cp)
+            ax.plot([_tokens(t) for t, _ in pts], [v for _, v in pts], styles.get(layout, ":"), marker="o",
+                    label=f"{layout}, cp={cp}")
+    ax.axhline(1.0, color="#888", lw=0.8)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("max / mean per rank")
+    ax.set_title("Context-parallel prefill balance (indexer + attention FLOPs)", fontsize=11, loc="left")
+    ax.legend(fontsize=8, ncol=2, frameon=False)
+    return [("Busiest rank over the mean rank, per layout and cp size (1.0 = balanced).", fig)]
+
+
 # section title (or its prefix before ':') -> plot makers, each returning [(caption, matplotlib figure)]
 PLOTS: dict[str, list[Callable[[Mapping[str, Any]], list[tuple[str, Any]]]]] = {
     "Build stages": [plot_stages],
@@ -497,6 +532,7 @@ PLOTS: dict[str, list[Callable[[Mapping[str, Any]], list[tuple[str, Any]]]]] = {
     "Cache layouts": [plot_caches],
     "Accuracy": [plot_accuracy],
     "Op coverage": [plot_coverage],
+    "Context-parallel balance": [plot_cp_balance],
 }
 
 

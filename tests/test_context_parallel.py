@@ -213,6 +213,9 @@ def test_rank_graphs(artifacts):
     assert pre["kimi.AllGather"] == 2 * 4 + 1 + 1 + 4 + 1  # KDA tails+maps, lengths, slots, pool values, logits
     assert m["graphs"]["decode.rank1"]["op_histogram"] == m["graphs"]["decode.rank0"]["op_histogram"]
     assert "kimi.AllGather" not in m["graphs"]["decode.rank0"]["op_histogram"]
+    bal = {(r["tokens"], r["cp"], r["layout"]): r["max_over_mean"] for r in m["parallel"]["cp_balance"]["rows"]}
+    assert bal[(1048576, 2, "zigzag")] < 1.01 < bal[(1048576, 2, "contiguous")]  # this model's balance, in the report
+    assert "Context-parallel balance" in (artifacts["k31-cp2"] / "report.html").read_text()
 
 
 def test_recipe_refusals_name_the_key():

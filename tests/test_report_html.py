@@ -71,3 +71,23 @@ def test_html_tolerates_sparse_manifests():
            "recipe": {"name": "<b>&"}}
     html = render_html(odd)
     assert "&lt;b&gt;&amp;" in html and html.count("<img") == 1  # the cache plot only
+
+
+def test_context_parallel_balance_table_and_plot():
+    """A cp artifact's manifest carries the prefill balance of its model (build._parallel, cp_layout.balance_table);
+    the report shows it as a table and a plot, at kimi-k3.1-pro's size here: zigzag max/mean near 1.0, contiguous
+    toward (2P-1)/P."""
+    from kimi_compile.config import preset
+    from kimi_compile.cp_layout import balance_table
+    from kimi_compile.report import render_report, summary
+
+    rows = balance_table(preset("kimi-k3.1-pro"))
+    manifest = {"recipe": {"name": "k31-pro-cp"}, "parallel": {"cp": 4, "cp_balance": {"model": "test", "rows": rows}}}
+    manifest["summary"] = summary(manifest)
+    text = _check_page(render_html(manifest), manifest, 1)
+    assert "Context-parallel balance" in text
+    md = render_report(manifest)
+    line = next(ln for ln in md.splitlines() if ln.startswith("| 1M | 8 | contiguous |"))
+    assert 1.8 < float(line.split("|")[4]) < 1.875  # (2P-1)/P = 1.875 at P = 8
+    zig = [r["max_over_mean"] for r in rows if r["layout"] == "zigzag"]
+    assert max(zig) < 1.03 and f"{zig[0]:.4f}" in md
