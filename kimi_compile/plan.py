@@ -629,7 +629,32 @@ def plan_text(recipe_path: str, layouts: tuple[str, ...] = (), *, as_json: bool 
 
     recipe = load_recipe(recipe_path)
     plans = plan(recipe, [Layout.parse(s) for s in layouts] or None, act_dtype=act_dtype, cache=cache, say=say)
+    cps = sorted({p.layout.cp for p in plans if p.layout.cp > 1})
+    balance = cp_balance(model_config(recipe), cps) if cps else []
     if as_json:
         return json.dumps({"recipe": recipe.name, "model": recipe.model.preset or recipe.model.checkpoint,
-                           "plans": [p.to_dict() for p in plans]}, indent=2)
-    return render(recipe.model.preset or str(recipe.model.checkpoint), plans)
+                           "plans": [p.to_dict() for p in plans], **({"cp_balance": balance} if cps else {})},
+                          indent=2)
+    text = render(recipe.model.preset or str(recipe.model.checkpoint), plans)
+    return text + "\n\n" + render_balance(balance) if cps else text
+
+
+def render_balance(rows: list[dict]) -> str:
+    """cp_balance rows as a Markdown table: zigzag beside contiguous per prompt length and cp size."""
+    lines = ["Context-parallel prefill balance: max/mean over ranks of indexer + attention FLOPs of one sequence "
+             "(kimi_compile/cp_layout.py, a token-count model of the graphs' dominant terms, not measured)", "",
+             "| prompt tokens | cp | zigzag max/mean | contiguous max/mean | zigzag max TFLOP | contiguous max TFLOP |",
+             "|---|---|---|---|---|---|"]
+    by = {(r["tokens"], r["cp"], r["layout"]): r for r in rows}
+    for tokens, cp in sorted({(r["tokens"], r["cp"]) for r in rows}):
+        z, c = by[(tokens, cp, "zigzag")], by[(tokens, cp, "contiguous")]
+        lines.append(f"| {tokens // 1024}K | {cp} | {z['max_over_mean']:.4f} | {c['max_over_mean']:.4f} | "
+                     f"{z['max_tflop']:.4g} | {c['max_tflop']:.4g} |")
+    return "\n".join(lines)
+
+
+def cp_balance(cfg: KimiConfig, cps: list[int]) -> list[dict]:
+    """cp_layout.balance_table of the model at 32K, 128K and 1M tokens, for cp 2, 4, 8 and the planned sizes."""
+    from kimi_compile.cp_layout import balance_table
+
+    return balance_table(cfg, worlds=sorted({2, 4, 8, *cps}))
