@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kimi_compile.config import KimiConfig, from_hf_dict
-from kimi_compile.recipe import ParallelSpec, Recipe
+from kimi_compile.recipe import ParallelSpec, Recipe, parallel_problems
 
 PROBE_MAX_LAYERS = 8  # a model with more layers is probed with its first layers (one of every kind)
 COLLECTIVES = ("AllReduce", "AllGather", "ReduceScatter", "AllToAll")
@@ -559,6 +559,13 @@ def plan(recipe: Recipe, layouts: list[Layout] | None = None, *, cache=None, pro
     """The plan of the recipe's model for each layout (default: the recipe's own)."""
     target = model_config(recipe)
     layouts = layouts or [Layout.of(recipe.parallel)]
+    for lay in layouts:  # the full-size model must split as the probe does
+        problems = [msg for _key, msg in parallel_problems(target, lay.built)]
+        if lay.ep > lay.tp and target.num_experts and target.num_experts % lay.ep:
+            problems.append(f"ep={lay.ep} does not divide num_experts ({target.num_experts})")
+        if problems:
+            raise PlanError(f"layout {lay.name!r} does not fit {recipe.model.preset or recipe.model.checkpoint}: "
+                            + "; ".join(problems))
     out = []
     built: dict[ParallelSpec, tuple] = {}
     for lay in layouts:

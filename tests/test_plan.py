@@ -177,3 +177,13 @@ def test_cp_layouts_add_the_balance_table():
     zig, cont = (float(x) for x in line.split("|")[3:5])
     assert zig < 1.02 and 1.6 < cont < 1.75  # (2P-1)/P = 1.75 at P = 4
     assert {r["cp"] for r in rows} == {2, 4, 8} and len(text.splitlines()) == 4 + 9
+
+
+def test_a_layout_the_model_cannot_split_is_refused_by_name():
+    from kimi_compile.plan import Layout, PlanError, plan
+    from kimi_compile.recipe import load_recipe
+
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-tp2.yaml"))
+    with pytest.raises(PlanError, match=r"layout 'tp3' does not fit kimi-k3.1-tiny: tp=3 does not divide "
+                                        r"num_attention_heads"):
+        plan(recipe, [Layout.parse("tp3")])
