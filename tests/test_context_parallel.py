@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
 
 from tests.conftest import ROOT
+from tests.ranks import run_ranks
 
 PROMPTS = [[11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133, 144], [5, 6, 7, 8, 9, 10, 12], [3, 4, 5]]
 MORE = [[17, 18, 19, 20, 21], [23], [25, 26, 27, 28, 29, 30]]  # a second prefill from start > 0
@@ -102,32 +102,9 @@ def _worker(rank: int, world: int, port: int, paths: list[str], queue) -> None:
         queue.put((rank, None, f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(world: int, paths: list[str]) -> dict:
     """{rank: {artifact: results}} from `world` spawned processes."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, paths, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, []
-    for _ in procs:
-        rank, out, err = q.get(timeout=900)
-        results[rank] = out
-        if err:
-            errors.append(err)
-    for p in procs:
-        p.join(timeout=60)
-    assert not errors, "\n".join(errors)
-    return results
+    return run_ranks(_worker, world, paths)
 
 
 @pytest.fixture(scope="module")
