@@ -311,12 +311,13 @@ def main() -> None:
     ap.add_argument("--sections", default="build,decode,ttft,accuracy,compile")
     ap.add_argument("--artifact", default=str(ROOT / "artifacts" / "kimi-k3.1-small-cuda"))
     ap.add_argument("--decode", default="1x4096,8x4096,32x4096,1x32768,8x32768,32x32768,1x131072")
+    ap.add_argument("--eager-decode", default="1x32768,32x32768", help="cases also run as the eager program")
     ap.add_argument("--ref-decode", default="1x4096,32x4096,1x32768,32x32768")
     ap.add_argument("--ttft", default="8192,32768,131072")
     ap.add_argument("--ref-ttft", default="8192,32768")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--accuracy-steps", type=int, default=64)
-    ap.add_argument("--compile-mode", default="reduce-overhead,default")
+    ap.add_argument("--compile-mode", default="reduce-overhead,default")  # the first mode that runs is kept
     ap.add_argument("--compile-decode", default="1x32768,32x32768")
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "kimi-k3.1-small-cuda.yaml"))
     ap.add_argument("--ort-artifact", default="", help="onnxruntime artifact for the ORT CUDA baseline (section ort)")
@@ -351,8 +352,9 @@ def main() -> None:
     decode = [tuple(map(int, s.split("x"))) for s in a.decode.split(",") if s]
     ref_decode_cases = [tuple(map(int, s.split("x"))) for s in a.ref_decode.split(",") if s]
     if "decode" in secs:
+        eager = {tuple(map(int, s.split("x"))) for s in a.eager_decode.split(",") if s}
         for B, ctx in decode:
-            for graphs in ((True, False) if DEV == "cuda" else (False,)):
+            for graphs in ((True, False) if (B, ctx) in eager else (True,)) if DEV == "cuda" else (False,):
                 guarded("decode", lambda: ours_decode(art, B, ctx, a.steps, graphs), impl="ours",
                         mode="graph" if graphs else "eager program", batch=B, context=ctx)
     ref = None

@@ -247,3 +247,23 @@ def test_manifest_memory_plan_is_the_runtime_plan(k31_pair):
     m.run(feeds)
     spec = m._specs[m.signature(feeds)]
     assert spec.plan.peak == plans["decode"][f"{B}x1"]["peak_bytes"]
+
+
+def test_stream_plan_can_be_turned_off(tiny_build, tmp_path):
+    """kimi-k3.1-tiny-cuda's graphs carry a 3-stream plan; backend option `streams: false` (or
+    `Executor.streams = False` before a phase first runs) builds the single-stream program, with the same tokens
+    (on CPU tensors every step runs in order either way: the plan is replayed on a GPU)."""
+    from kimi_compile.backends.cuda import options
+
+    assert options({}).streams is True and options({"streams": False}).streams is False
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-cuda.yaml"))
+    art = build(recipe, tmp_path / "cuda", cache=_cache_copy(tiny_build, tmp_path / "cache")).artifact
+    toks = {}
+    for streams in (True, False):
+        sess = load(art)
+        sess.backend.streams = streams
+        toks[streams] = sess.generate([p[:5] for p in PROMPTS], 8, stop_at_eos=False)
+        assert sess.backend.program("decode").streams == (3 if streams else 1)
+        steps = sess.backend.program("decode").steps
+        assert any(s.waits for s in steps) == streams
+    assert toks[True] == toks[False]

@@ -79,3 +79,28 @@ def test_small_preset_has_no_reference_fallback_on_the_gpu(tmp_path):
         rows = sess.backend.program(phase).coverage()
         assert rows and all(r["impl"].startswith("kernel:") for r in rows), rows
     assert np.all(np.asarray(sess.generate([[1, 2, 3, 4]], 4, stop_at_eos=False)) >= 0)
+
+
+def test_stream_plan_replay_is_bit_identical_to_one_stream(tmp_path):
+    """kimi-k3.1-tiny-cuda carries an assign_streams plan (3 streams): its decode, captured as a CUDA graph with
+    side streams forked and joined by events, gives exactly the logits of the same program on one stream."""
+    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-cuda.yaml"))
+    art = build(recipe, tmp_path / "cuda", cache=CompileCache(root=tmp_path / "cache")).artifact
+    P = [p[:5] for p in PROMPTS]
+    outs = {}
+    for streams in (False, True):
+        sess = load(art)
+        sess.backend.streams = streams
+        cache = sess.new_cache(len(P))
+        last = sess.prefill_last(P, cache)
+        rows = []
+        for _ in range(12):
+            rows.append(last.float().cpu().clone())
+            last = sess._decode(last.argmax(-1).tolist(), cache)
+        prog = sess.backend.program("decode")
+        assert prog.streams == (3 if streams else 1), prog.streams
+        spec = next(iter(prog._specs.values()))
+        assert spec.graph is not None, spec.capture_error
+        assert spec.multi_stream == streams
+        outs[streams] = torch.stack(rows)
+    assert torch.equal(outs[True], outs[False])

@@ -29,6 +29,7 @@ class Options:
     graphs: bool = True  # replay steps as CUDA graphs (on a GPU)
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # decode batches are padded up to one of these
     prefill_graphs: bool = False  # capture prefill chunks too (one graph per chunk shape)
+    streams: bool = True  # replay the assign_streams plan on side streams (false: every step on the main stream)
 
     def __post_init__(self):
         b = self.batch_buckets
@@ -141,6 +142,7 @@ class Executor:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.plan = plan
         self.graphs = (self.options.graphs if graphs is None else graphs) and self.device.type == "cuda"
+        self.streams = self.options.streams  # read when a phase's program is first built
         if self.device.type == "cuda":  # float32 graphs compute in float32 (no TF32 in GEMMs and convolutions)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
@@ -167,7 +169,7 @@ class Executor:
             key = phase if self.rank is None else f"{phase}.rank{self.rank}"
             m = ir.load(self.dir / self.manifest["graphs"][key]["file"])
             attach_functions(m)
-            self._programs[phase] = Program(m, self.device)
+            self._programs[phase] = Program(m, self.device, streams=self.streams)
         return self._programs[phase]
 
     def zeros(self, shape, dtype: str):

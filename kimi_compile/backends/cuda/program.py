@@ -105,9 +105,10 @@ class Program:
     """One phase graph as steps over a value table. `run(feeds)` -> {output name: tensor}."""
 
     def __init__(self, model: ir.Model, device: str | torch.device, kernels: dict | None = None,
-                 *, weights: bool = True, kernel_device: str | None = None):
+                 *, weights: bool = True, kernel_device: str | None = None, streams: bool = True):
         """`weights=False` lowers from shapes alone (device "meta": for the build's coverage report);
-        `kernel_device` is the device kernels are chosen for (default: `device`'s type)."""
+        `kernel_device` is the device kernels are chosen for (default: `device`'s type); `streams=False` ignores
+        the stream plan (kimi.stream / kimi.wait): every step on the main stream, in graph order."""
         self.device = torch.device(device)
         self.kernel_device = kernel_device or self.device.type
         self.kernels = ops.kernels("CUDA") if kernels is None else kernels
@@ -145,8 +146,9 @@ class Program:
         self.steps: list[Step] = []
         for node in g:
             step = self._lower(node, len(self.steps), [vid(v) for v in node.inputs], [vid(v) for v in node.outputs])
-            step.stream = int(node.metadata_props.get("kimi.stream", 0))
-            step.waits = tuple(w for w in node.metadata_props.get("kimi.wait", "").split(",") if w)
+            if streams:
+                step.stream = int(node.metadata_props.get("kimi.stream", 0))
+                step.waits = tuple(w for w in node.metadata_props.get("kimi.wait", "").split(",") if w)
             self.steps.append(step)
         self.streams = 1 + max((st.stream for st in self.steps), default=0)
         self.outputs = [(v.name, vid(v)) for v in g.outputs]
