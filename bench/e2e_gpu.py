@@ -255,13 +255,13 @@ def ref_ttft(model, n: int, chunk: int) -> dict:
 
 @torch.no_grad()
 def accuracy(art: str, steps: int, n_prompts: int = 4) -> dict:
-    """Teacher-forced: the fp32 reference generates greedily; the artifact is fed the same tokens; per step, does
-    its argmax agree and how far are its logits (relative error)?"""
+    """Teacher-forced: the fp32 reference generates greedily; the artifact (CUDA graphs on, and the eager program)
+    and the reference in bf16 are fed the same tokens; per step, does the argmax agree with the fp32 reference's and
+    how far are the logits (relative error)? The bf16 reference is what bf16 alone costs on these random weights."""
     model = reference_model(torch.float32)
     torch.backends.cuda.matmul.allow_tf32 = False
-    sess = load(art)
     gen = torch.Generator().manual_seed(7)
-    agree, errs, free = [], [], []
+    prompts, refs = [], []
     for i in range(n_prompts):
         prompt = torch.randint(3, model.config.vocab_size, (1, 32 + 16 * i), generator=gen).to(DEV)
         r = RefRunner(model, 1, prompt.shape[1] + steps, BLOCK, gen, fill=False)
@@ -270,19 +270,45 @@ def accuracy(art: str, steps: int, n_prompts: int = 4) -> dict:
         for _ in range(steps):
             toks.append(int(ref_logits[-1].argmax(-1)))
             ref_logits.append(r.step(torch.tensor([[toks[-1]]], device=DEV), True)[:, -1].float())
-        cache = sess.new_cache(1)
-        ours = [sess.prefill_last([prompt[0].tolist()], cache).float()]
+        prompts.append(prompt)
+        refs.append((toks, ref_logits))
+    model = model.to(torch.bfloat16)
+
+    def bf16_ref(prompt, toks):
+        r = RefRunner(model, 1, prompt.shape[1] + steps, BLOCK, gen, fill=False)
+        out = [r.step(prompt, False)[:, -1].float()]
         for t in toks:
-            ours.append(sess._decode([t], cache).float())
-        for a, b in zip(ours[:-1], ref_logits[:-1]):
-            agree.append(int(a.argmax(-1)) == int(b.argmax(-1)))
-            errs.append(float((a - b).norm() / b.norm()))
-        mine = sess.generate([prompt[0].tolist()], steps, stop_at_eos=False)[0]
-        free.append(next((k for k, (x, y) in enumerate(zip(mine, toks)) if x != y), steps))
+            out.append(r.step(torch.tensor([[t]], device=DEV), True)[:, -1].float())
+        return out
+
+    def ours(sess, prompt, toks):
+        cache = sess.new_cache(1)
+        out = [sess.prefill_last([prompt[0].tolist()], cache).float()]
+        for t in toks:
+            out.append(sess._decode([t], cache).float())
+        return out
+
+    def score(run) -> dict:
+        agree, errs = [], []
+        for prompt, (toks, ref_logits) in zip(prompts, refs):
+            for a, b in zip(run(prompt, toks)[:-1], ref_logits[:-1]):
+                agree.append(int(a.argmax(-1)) == int(b.argmax(-1)))
+                errs.append(float((a - b).norm() / b.norm()))
+        return {"teacher_forced_top1_agreement": float(np.mean(agree)), "logits_rel_err_median": float(np.median(errs)),
+                "logits_rel_err_max": float(np.max(errs))}
+    res = {"steps": steps, "prompts": n_prompts, "reference_bf16": score(bf16_ref)}
     del model
-    return {"teacher_forced_top1_agreement": float(np.mean(agree)), "logits_rel_err_median": float(np.median(errs)),
-            "logits_rel_err_max": float(np.max(errs)), "free_running_prefix": free, "steps": steps,
-            "prompts": n_prompts}
+    for graphs in (True, False) if DEV == "cuda" else (False,):
+        sess = load(art)
+        sess.backend.graphs = graphs
+        res["ours_graph" if graphs else "ours_eager_program"] = score(lambda p, t: ours(sess, p, t))
+        if graphs:
+            res["free_running_prefix"] = [
+                next((k for k, (x, y) in enumerate(zip(sess.generate([p[0].tolist()], steps, stop_at_eos=False)[0],
+                                                        toks)) if x != y), steps)
+                for p, (toks, _) in zip(prompts, refs)]
+        del sess
+    return res
 
 
 # ---- main -------------------------------------------------------------------------------------------------------

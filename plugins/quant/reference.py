@@ -212,14 +212,22 @@ def mx_quantize(
     return q.reshape(np.shape(x)), scale
 
 
+def _code_bytes(q: Any, fmt) -> np.ndarray:
+    """uint8 codes from uint8 or from a float8 array of the format's own type (a float8-typed pool's bytes)."""
+    q = np.asarray(q)
+    if q.dtype == np.uint8:
+        return q
+    if q.dtype == fmt.dtype:
+        return q.view(np.uint8)
+    raise ValueError(f"q must be uint8 FP8 codes or a {np.dtype(fmt.dtype).name} array, got dtype {q.dtype}")
+
+
 def mx_dequantize(q: Any, scale: Any, *, block: int = 32, elem: str = "e4m3") -> np.ndarray:
     """Inverse of mx_quantize: float32 value of each code times its block's 2^(scale - 127); scale 0xFF -> NaN block.
 
     Arbitrary codes with large scale bytes can exceed float32 and give ±inf (never for mx_quantize output)."""
     fmt = elem_format(elem)
-    q = np.asarray(q)
-    if q.dtype != np.uint8:
-        raise ValueError(f"q must be uint8 FP8 codes, got dtype {q.dtype}")
+    q = _code_bytes(q, fmt)
     qb = _blocked(q, block, "q")
     scale = np.asarray(scale)
     if scale.shape != qb.shape[:-1]:
@@ -261,9 +269,7 @@ def fp8_tile_quantize(x: Any, *, tile: int = 128, scale_fmt: str = "fp32") -> tu
 
 def fp8_tile_dequantize(q: Any, scale: Any, *, tile: int = 128) -> np.ndarray:
     """Inverse of fp8_tile_quantize: float32(e4m3 code) * scale (float32 product)."""
-    q = np.asarray(q)
-    if q.dtype != np.uint8:
-        raise ValueError(f"q must be uint8 E4M3FN codes, got dtype {q.dtype}")
+    q = _code_bytes(q, ELEM_FORMATS["e4m3"])
     qb = _blocked(q, tile, "q", what="tile")
     scale = np.asarray(scale, np.float32)
     if scale.shape != qb.shape[:-1]:
