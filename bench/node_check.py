@@ -34,7 +34,7 @@ def compare(k: torch.Tensor, r: torch.Tensor) -> dict:
     codes = (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
     if k.dtype in codes and r.dtype in codes:  # FP8 codes / E8M0 bytes: compared as bytes
         kb, rb = k.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8)
-        return {"bytes_equal_fraction": (kb == rb).float().mean().item()}
+        return {"bytes_differing": int((kb != rb).sum().item()), "bytes": kb.numel()}
     if not k.dtype.is_floating_point:
         if k.dim() < 1 or k.numel() == 0:
             return {"equal": bool(torch.equal(k, r))}

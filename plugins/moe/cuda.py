@@ -4,7 +4,8 @@ graph).
 
 Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
 (CPU, fp32) the same sorted layout through a gathered batched product. Selection and weights follow the op's
-contract exactly (fp32 router scores, ties to the lower expert).
+contract exactly (fp32 router scores, ties to the lower expert). Deterministic: the k expert rows of a token are
+summed in a fixed order (no atomics), so two runs of a step give the same bits.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0) ->
     up = _grouped(zs, w3.to(dt), expert, offs)
     act = _act(up.float(), gate.float(), a["situ_beta"], a["situ_linear_beta"]).to(dt)
     r_sorted = _grouped(act, w2.to(dt), expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
-    r = torch.zeros(xf.shape[0], r_sorted.shape[-1], dtype=torch.float32, device=h.device)
-    r.index_add_(0, token, r_sorted)
-    return r
+    # back to [N, k] order (each row written once) and a sum over k: deterministic, unlike index_add_'s atomics
+    r = torch.empty_like(r_sorted).index_copy_(0, order, r_sorted)
+    return r.reshape(xf.shape[0], k, -1).sum(1)
 
 
 def moe(x, a):

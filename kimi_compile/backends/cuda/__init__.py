@@ -142,6 +142,9 @@ class Executor:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.plan = plan
         self.graphs = (self.options.graphs if graphs is None else graphs) and self.device.type == "cuda"
+        # shapes follow the capture setting at load: turning `graphs` off afterwards runs the same static-shape
+        # program eagerly (like against like: same caches, same batch bucket, only the launch mode differs)
+        self._static = self.graphs
         self.streams = self.options.streams  # read when a phase's program is first built
         if self.device.type == "cuda":  # float32 graphs compute in float32 (no TF32 in GEMMs and convolutions)
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -152,10 +155,10 @@ class Executor:
     def static_shapes(self) -> bool:
         """With graphs, caches take the artifact's full capacity and batches their bucket: one capture serves
         every request of a bucket."""
-        return self.graphs
+        return self._static
 
     def batch_bucket(self, batch: int) -> int:
-        if not self.graphs:
+        if not self._static:
             return batch
         return next((b for b in self.options.batch_buckets if b >= batch), batch)
 

@@ -465,7 +465,9 @@ class Specialized:
             if t.data_ptr() != buf.data_ptr():
                 buf.copy_(t, non_blocking=True)
         self.graph.replay()
-        return self.graph_outputs
+        # caches (`<cache>.out`) are the captured tensors the next step reads; every other output (logits) is copied
+        # out of the graph's buffers, which the next replay overwrites
+        return {n: t if n.endswith(".out") else t.clone() for n, t in self.graph_outputs.items()}
 
     def _capture(self, feeds: dict[str, torch.Tensor]) -> None:
         persistent = self.prog.persistent_inputs
