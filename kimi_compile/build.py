@@ -26,7 +26,7 @@ from typing import Any
 from kimi_compile import __version__, graph_io, ops
 from kimi_compile.artifact import ArtifactWriter, check_out_dir
 from kimi_compile.cache import CompileCache, cache_key
-from kimi_compile.coverage import coverage
+from kimi_compile.coverage import coverage, stream_layers
 from kimi_compile.events import BuildEvents
 from kimi_compile.functions import attach_functions
 from kimi_compile.recipe import Recipe
@@ -278,6 +278,9 @@ def _manifest(recipe, src, backend, record, traced, result, stats, accuracy, opt
                              # plans passes leave on the graph (JSON in "kimi.*_plan" metadata: the stream plan, ...)
                              **{k[len("kimi."):]: json.loads(v) for k, v in graphs[phase].metadata_props.items()
                                 if k.startswith("kimi.") and k.endswith("_plan")}}
+    for phase, info in graph_info.items():
+        if isinstance(info.get("stream_plan"), dict):  # the plan per decoder layer (report: Gantt per layer kind)
+            info["stream_plan"]["layers"] = stream_layers(graphs[phase], info["stream_plan"], cfg)
     layouts = cache_layouts(cfg, opts.block_size, _first_rank(graphs, "prefill"))  # a rank's caches (its heads)
     return {
         "tool": {"name": "kimi-compile", "version": __version__},

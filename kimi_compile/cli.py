@@ -228,6 +228,10 @@ def inspect(artifact, as_json, diff_against):
         "runtime": m.get("runtime"),
         "tokenizer": m.get("tokenizer"),
         "stages": m.get("stages"),
+        "stream_plans": {p: {**{k: v for k, v in g["stream_plan"].items() if k not in ("schedule", "layers")},
+                             "layers": [{k: v for k, v in r.items() if k != "schedule"}
+                                        for r in g["stream_plan"].get("layers", [])]}
+                         for p, g in m["graphs"].items() if isinstance(g.get("stream_plan"), dict)},
     }
     if diff_against:
         info["diff"] = {"against": str(diff_against), "ops": _op_diff(load_manifest(diff_against), m)}
@@ -259,6 +263,16 @@ def inspect(artifact, as_json, diff_against):
             t.add_row(r["layer_kind"], r["component"], ", ".join(f"{k} x{v}" for k, v in r["fused_ops"].items()),
                       ", ".join(f"{k} x{v}" for k, v in sorted(r["fallback_ops"].items(), key=lambda kv: -kv[1])[:6]),
                       str(r["coverage_pct"]))
+        c.print(t)
+    for phase, sp in info["stream_plans"].items():
+        t = Table(title=f"{phase}: stream plan, {sp.get('streams')} streams, {sp.get('events')} events, modelled "
+                  f"critical path {sp.get('makespan_1_us')} us on one stream, {sp.get('makespan_n_us')} us planned",
+                  title_justify="left")
+        for col in ("layer", "kind", "nodes", "off main", "streams", "1 stream us", "N streams us"):
+            t.add_column(col)
+        for r in sp["layers"]:
+            t.add_row(*(str(r[k]) for k in ("layer", "kind", "nodes", "side_nodes", "streams", "one_stream_us",
+                                             "n_streams_us")))
         c.print(t)
     t = Table(title="pass log", title_justify="left")
     for col in ("phase", "pass", "version", "counts", "ms", "cached"):

@@ -40,6 +40,43 @@ def attribute(node: ir.Node, cfg) -> tuple[str, str]:
     return kind, comp
 
 
+def layer_of(node: ir.Node, cfg) -> tuple[int | None, str]:
+    """(decoder layer index or None, its kind: kda / mla+indexer / mla / model) from the node's namespace."""
+    m = _LAYER.search(node.metadata_props.get("namespace", ""))
+    if m is None:
+        return None, "model"
+    i = int(m.group(1))
+    return i, "kda" if cfg.is_kda(i) else ("mla+indexer" if cfg.has_indexer(i) else "mla")
+
+
+def stream_layers(model: ir.Model, plan: dict, cfg) -> list[dict]:
+    """The stream plan per decoder layer (first layer of each kind first, then the rest by index): nodes, nodes off
+    the main stream, streams used, the layer's cost on one stream (sum of its nodes' modelled costs) and its span
+    on N (first start to last end in the list schedule); the first layer of each kind keeps its schedule rows
+    [node, stream, start_us, end_us, op] for a Gantt chart."""
+    rows = {r[0]: r for r in plan.get("schedule", [])}
+    by_layer: dict[int, dict] = {}
+    for n in model.graph:
+        r = rows.get(n.name)
+        i, kind = layer_of(n, cfg)
+        if r is None or i is None:
+            continue
+        d = by_layer.setdefault(i, {"layer": i, "kind": kind, "rows": []})
+        d["rows"].append(r)
+    out, seen = [], set()
+    for i in sorted(by_layer):
+        d = by_layer[i]
+        rs = d["rows"]
+        row = {"layer": i, "kind": d["kind"], "nodes": len(rs), "side_nodes": sum(1 for r in rs if r[1]),
+               "streams": len({r[1] for r in rs}), "one_stream_us": round(sum(r[3] - r[2] for r in rs), 3),
+               "n_streams_us": round(max(r[3] for r in rs) - min(r[2] for r in rs), 3)}
+        if d["kind"] not in seen:
+            seen.add(d["kind"])
+            row["schedule"] = rs
+        out.append(row)
+    return sorted(out, key=lambda r: ("schedule" not in r, r["layer"]))
+
+
 def fused_ops() -> set[str]:
     """Names of the registered `kimi.*` ops that a pass puts in place of standard ops (kind "fused")."""
     return {o.name for o in ops.registered() if o.domain == ops.DOMAIN and o.kind == "fused"}

@@ -258,6 +258,30 @@ def _cp_balance(balance: Mapping[str, Any]) -> Section:
         Table(["prompt tokens", "cp", "layout", "max / mean", "max TFLOP", "mean TFLOP"], rows, right=(1, 3, 4, 5))])
 
 
+def _stream_plans(graphs: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    return [(p, g["stream_plan"]) for p, g in graphs.items()
+            if isinstance(g, Mapping) and isinstance(g.get("stream_plan"), Mapping)]
+
+
+def _streams(plans: list[tuple[str, Mapping[str, Any]]]) -> Section:
+    """The assign_streams plan: per phase the modelled critical path on 1 and N streams, per layer kind the same for
+    its first layer (cost model at the shape the recipe gives the pass; not a measurement)."""
+    rows = [[p, sp.get("streams", ""), sp.get("events", ""), sp.get("makespan_1_us", ""), sp.get("makespan_n_us", "")]
+            for p, sp in plans]
+    blocks: list[Block] = [
+        "Modelled by the assign_streams pass (bytes and FLOPs at the recipe's shape, launch and event costs), not "
+        "measured: the critical path of each graph on one stream and on the planned streams.",
+        Table(["phase", "streams", "events", "1 stream (us)", "N streams (us)"], rows, right=(1, 2, 3, 4))]
+    lrows = [[p, r["layer"], r["kind"], r["nodes"], r["side_nodes"], r["streams"], r["one_stream_us"],
+              r["n_streams_us"]] for p, sp in plans for r in sp.get("layers", []) if "schedule" in r]
+    if lrows:
+        blocks += ["The first layer of each kind (its N-stream span is first start to last end in the whole graph's "
+                   "schedule, waits on other layers' nodes included, so it can exceed the one-stream sum):",
+                   Table(["phase", "layer", "kind", "nodes", "off the main stream", "streams", "1 stream (us)",
+                          "N streams (us)"], lrows, right=(1, 3, 4, 5, 6, 7))]
+    return ("Stream plan", 2, blocks)
+
+
 def _tokens(n: int) -> str:
     return f"{n // 1048576}M" if n % 1048576 == 0 else f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -303,6 +327,9 @@ def sections(manifest: Mapping[str, Any]) -> list[Section]:
         if sec:
             out.append(sec)
     out += _coverage(_map(manifest, "op_coverage"))
+    plans = _stream_plans(_map(manifest, "graphs"))
+    if plans:
+        out.append(_streams(plans))
     if _map(manifest, "graphs"):
         out += _graphs(_map(manifest, "graphs"))
     versions = _map(manifest, "versions")
@@ -525,6 +552,33 @@ def plot_cp_balance(manifest: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return [("Busiest rank over the mean rank, per layout and cp size (1.0 = balanced).", fig)]
 
 
+def plot_streams(manifest: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Gantt chart of the planned schedule of the first layer of each kind, decode phase (else the first phase)."""
+    plans = dict(_stream_plans(_map(manifest, "graphs")))
+    phase = "decode" if "decode" in plans else next(iter(plans), None)
+    out = []
+    for r in (plans[phase].get("layers", []) if phase else []):
+        rows = r.get("schedule")
+        if not rows:
+            continue
+        t0 = min(x[2] for x in rows)
+        streams = sorted({x[1] for x in rows})
+        fig, ax = _figure(9.5, 1.0 + 0.55 * len(streams))
+        for x in rows:
+            kimi = str(x[4]).startswith("kimi.")
+            ax.broken_barh([(x[2] - t0, max(x[3] - x[2], 1e-3))], (x[1] - 0.35, 0.7),
+                           color=_COLORS["fused"] if kimi else _COLORS["hit"], edgecolor="white", linewidth=0.3)
+            if kimi and x[3] - x[2] > 0:
+                ax.text(x[2] - t0, x[1] + 0.42, str(x[4])[len("kimi."):], fontsize=7)
+        ax.set_yticks(streams, [f"stream {s}" for s in streams], fontsize=9)
+        ax.invert_yaxis()
+        ax.set_xlabel("modelled us from the layer's first node")
+        ax.set_title(f"{phase}, layer {r['layer']} ({r['kind']}): {r['one_stream_us']:g} us on one stream, "
+                     f"{r['n_streams_us']:g} us on {r['streams']}", fontsize=10, loc="left")
+        out.append((f"Planned schedule of layer {r['layer']} ({r['kind']}); kimi.* ops in green, standard ops in grey.", fig))
+    return out
+
+
 # section title (or its prefix before ':') -> plot makers, each returning [(caption, matplotlib figure)]
 PLOTS: dict[str, list[Callable[[Mapping[str, Any]], list[tuple[str, Any]]]]] = {
     "Build stages": [plot_stages],
@@ -533,6 +587,7 @@ PLOTS: dict[str, list[Callable[[Mapping[str, Any]], list[tuple[str, Any]]]]] = {
     "Accuracy": [plot_accuracy],
     "Op coverage": [plot_coverage],
     "Context-parallel balance": [plot_cp_balance],
+    "Stream plan": [plot_streams],
 }
 
 

@@ -267,3 +267,27 @@ def test_stream_plan_can_be_turned_off(tiny_build, tmp_path):
         steps = sess.backend.program("decode").steps
         assert any(s.waits for s in steps) == streams
     assert toks[True] == toks[False]
+    # the plan per decoder layer in the manifest, the report (table + Gantt chart per layer kind) and inspect
+    import json
+
+    from click.testing import CliRunner
+
+    from kimi_compile.cli import main
+    from kimi_compile.report import plot_streams, render_report
+
+    man = json.loads((art / "manifest.json").read_text())
+    layers = man["graphs"]["decode"]["stream_plan"]["layers"]
+    firsts = [r for r in layers if "schedule" in r]
+    assert [r["kind"] for r in firsts] == ["kda", "mla+indexer"]
+    assert sorted(r["layer"] for r in layers) == list(range(len(layers)))
+    for r in firsts:
+        assert r["nodes"] == len(r["schedule"]) and r["one_stream_us"] > 0 and r["streams"] >= 2
+        assert r["one_stream_us"] == round(sum(x[3] - x[2] for x in r["schedule"]), 3)
+    md = render_report(man)
+    assert "## Stream plan" in md and "| decode | 3 | mla+indexer |" in md
+    assert [c.split(";")[0] for c, _ in plot_streams(man)] == ["Planned schedule of layer 0 (kda)",
+                                                                "Planned schedule of layer 3 (mla+indexer)"]
+    out = CliRunner().invoke(main, ["inspect", str(art), "--json"])
+    assert out.exit_code == 0, out.output
+    sp = json.loads(out.output)["stream_plans"]["decode"]
+    assert sp["streams"] == 3 and len(sp["layers"]) == len(layers) and "schedule" not in sp["layers"][0]
