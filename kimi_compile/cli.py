@@ -299,12 +299,22 @@ def inspect(artifact, as_json, diff_against):
 @click.option("--dtype", "act_dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
               help="Element type of activations in the collectives.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plans as JSON.")
-def plan_cmd(recipe, layouts, act_dtype, as_json):
+@click.option("--ttft", "ttft", default="", metavar="TOKENS,...",
+              help="Also model the time to first token of one prompt of these lengths (e.g. 131072,1048576) per "
+                   "layout: FLOPs of the busiest rank at a throughput calibrated on an H200 measurement, plus "
+                   "collectives over NVLink (docs/parallel.md).")
+def plan_cmd(recipe, layouts, act_dtype, as_json, ttft):
     """Per-rank weight bytes, cache bytes per token, collective bytes per decode step and per prefill token of the
     recipe's model, read from partitioned graphs of a small probe of it (no weights needed; docs/parallel.md)."""
     from kimi_compile.plan import plan_text
 
-    click.echo(plan_text(recipe, layouts, as_json=as_json, act_dtype=act_dtype,
+    try:
+        lengths = tuple(int(x) for x in ttft.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated token counts, got {ttft!r}", param_hint="--ttft") from None
+    if any(n < 1 for n in lengths):
+        raise click.BadParameter(f"token counts must be positive, got {ttft!r}", param_hint="--ttft")
+    click.echo(plan_text(recipe, layouts, as_json=as_json, act_dtype=act_dtype, ttft=lengths,
                          say=lambda msg: click.echo(msg, err=True)))
 
 

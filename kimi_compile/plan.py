@@ -629,21 +629,117 @@ def render(model: str, plans: list[LayoutPlan]) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+# ---- the TTFT model ------------------------------------------------------------------------------------------------
+
+# Effective H200 throughput of a whole prefill under prefill_flops' count: kimi-k3.1-small (bf16 + layered
+# quantization, cuda backend, one H200) took 3.933 s for a 131072-token prompt (second prompt of that length,
+# bench/results/e2e_gpu_2026-12-03.json), and prefill_flops counts CALIBRATION_FLOP for it at tp1.
+CALIBRATION = {"preset": "kimi-k3.1-small", "tokens": 131072, "seconds": 3.933,
+               "source": "bench/results/e2e_gpu_2026-12-03.json (ttft, ours, 131072, warm_ms)"}
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s (the lower bound column)
+NVLINK_GBPS = 400.0  # per rank, one direction, effective (H200 NVLink 4: 450 GB/s each way): stated, not measured
+KDA_CHUNK = 64
+
+
+def prefill_flops(p: LayoutPlan, cfg: KimiConfig, tokens: int) -> dict[str, float]:
+    """FLOPs of one prompt of `tokens` tokens on the busiest rank of layout p (zigzag cp): every weight the rank
+    holds times its tokens (routed experts at top_k / num_experts of them; the embedding is a lookup; the LM head
+    runs on the last token only), the indexer + sparse attention of cp_layout.prefill_flops split over the tp
+    heads, and the chunked KDA recurrence (4 Dk Dv + 2 C (Dk + Dv) per token, head and layer, C = 64)."""
+    from kimi_compile.cp_layout import prefill_flops as attention_flops
+
+    lay = p.layout
+    att = max(r["indexer"] + r["attention"] for r in attention_flops(cfg, tokens, lay.cp, "zigzag"))
+    n = -(-tokens // lay.cp)
+    dense = p.weight_elements - p.expert_elements - p.weight_regions.get("embed", 0) - p.weight_regions.get("head", 0)
+    frac = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 0.0
+    d = cfg.kda_head_dim
+    kda = len(cfg.kda_layers) * (cfg.kda_num_heads / lay.tp) * (4 * d * d + 2 * KDA_CHUNK * 2 * d)
+    return {"linear": 2.0 * n * dense, "experts": 2.0 * n * p.expert_elements * frac, "attention": att / lay.tp,
+            "kda": n * kda}
+
+
+def ttft_model(p: LayoutPlan, cfg: KimiConfig, tokens: int, flops_per_s: float) -> dict:
+    """Modelled time to the first token of one prompt: the busiest rank's FLOPs at the calibrated throughput plus its
+    collectives' wire bytes over NVLink, not overlapped (an upper bound of this model)."""
+    f = prefill_flops(p, cfg, tokens)
+    n = -(-tokens // p.layout.cp)
+    wire = n * sum(r["wire"] for r in p.prefill.values()) + sum(r["wire"] for r in p.prefill_sequence.values())
+    compute = sum(f.values()) / flops_per_s
+    comm = wire / (NVLINK_GBPS * 1e9) if p.layout.world > 1 else 0.0
+    return {"layout": p.layout.name, "tokens": tokens, "tflop": sum(f.values()) / 1e12,
+            "tflop_parts": {k: v / 1e12 for k, v in f.items()}, "compute_s": compute, "comm_s": comm,
+            "wire_bytes": wire, "ttft_s": compute + comm, "ttft_at_peak_s": sum(f.values()) / H200_BF16_PEAK + comm}
+
+
+def calibrated_throughput(cache=None, say: Callable[[str], None] = lambda _m: None) -> float:
+    """FLOP/s that turns prefill_flops of the calibration run into its measured seconds."""
+    del cache, say  # the calibration model is counted from its parameters, not from graphs
+    cfg = preset_config(CALIBRATION["preset"])
+    return sum(prefill_flops(single_rank_plan(cfg), cfg, CALIBRATION["tokens"]).values()) / CALIBRATION["seconds"]
+
+
+def preset_config(name: str) -> KimiConfig:
+    from kimi_compile.config import preset
+
+    return preset(name)
+
+
+def single_rank_plan(cfg: KimiConfig) -> LayoutPlan:
+    """One rank's weight elements of the model, counted from the reference model's parameters (meta tensors): the
+    regions prefill_flops reads (embed, head, routed experts, the rest)."""
+    from kimi_compile.model.weights import build_model
+
+    model = build_model(cfg, device="meta")
+    total = experts = embed = head = 0
+    for name, t in model.named_parameters():
+        n = t.numel()
+        total += n
+        if ".experts." in name and "shared" not in name:
+            experts += n
+        elif "embed_tokens" in name:
+            embed += n
+        elif "lm_head" in name:
+            head += n
+    return LayoutPlan(Layout(), total, 0, {"embed": embed, "head": head}, experts, {}, {}, {}, {}, {}, [])
+
+
+def render_ttft(rows: list[dict], flops_per_s: float) -> str:
+    lines = [f"Modelled TTFT of one prompt on H200s (busiest rank; compute at {flops_per_s / 1e12:.0f} TFLOP/s "
+             f"effective, calibrated on {CALIBRATION['preset']}'s measured {CALIBRATION['tokens'] // 1024}K prefill, "
+             f"{CALIBRATION['seconds']} s; collectives at {NVLINK_GBPS:.0f} GB/s per rank, not overlapped; a model, "
+             "not a measurement)", "",
+             "| layout | prompt | TFLOP per rank | compute | collectives | TTFT | TTFT at bf16 peak (bound) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['layout']} | {r['tokens'] // 1024}K | {r['tflop']:.0f} | {r['compute_s']:.2f} s | "
+                     f"{r['comm_s']:.2f} s | {r['ttft_s']:.2f} s | {r['ttft_at_peak_s']:.2f} s |")
+    return "\n".join(lines)
+
+
 def plan_text(recipe_path: str, layouts: tuple[str, ...] = (), *, as_json: bool = False, act_dtype: str = "bf16",
-              cache=None, say: Callable[[str], None] = lambda _m: None) -> str:
+              cache=None, say: Callable[[str], None] = lambda _m: None, ttft: tuple[int, ...] = ()) -> str:
     """What `kimi-compile plan RECIPE [--layout L ...] [--json]` prints: the Markdown table, or the plans as JSON."""
     from kimi_compile.recipe import load_recipe
 
     recipe = load_recipe(recipe_path)
     plans = plan(recipe, [Layout.parse(s) for s in layouts] or None, act_dtype=act_dtype, cache=cache, say=say)
     cps = sorted({p.layout.cp for p in plans if p.layout.cp > 1})
-    balance = cp_balance(model_config(recipe), cps) if cps else []
+    cfg = model_config(recipe)
+    balance = cp_balance(cfg, cps) if cps else []
+    rate = calibrated_throughput(cache=cache, say=say) if ttft else 0.0
+    ttft_rows = [ttft_model(p, cfg, n, rate) for p in plans if p.layout.dp == 1 for n in ttft] if ttft else []
     if as_json:
         return json.dumps({"recipe": recipe.name, "model": recipe.model.preset or recipe.model.checkpoint,
-                           "plans": [p.to_dict() for p in plans], **({"cp_balance": balance} if cps else {})},
-                          indent=2)
+                           "plans": [p.to_dict() for p in plans], **({"cp_balance": balance} if cps else {}),
+                           **({"ttft": {"flops_per_s": rate, "calibration": CALIBRATION, "nvlink_gbps": NVLINK_GBPS,
+                                        "rows": ttft_rows}} if ttft else {})}, indent=2)
     text = render(recipe.model.preset or str(recipe.model.checkpoint), plans)
-    return text + "\n\n" + render_balance(balance) if cps else text
+    if cps:
+        text += "\n\n" + render_balance(balance)
+    if ttft_rows:
+        text += "\n\n" + render_ttft(ttft_rows, rate)
+    return text
 
 
 def render_balance(rows: list[dict]) -> str:

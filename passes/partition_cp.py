@@ -15,7 +15,12 @@ The rules, keyed on ops (group "cp", world cp):
     KDA            kimi.KDA -> KDAConvTail, AllGather(tails), KDASegmentMap, AllGather(maps), KDASegmentReplay
                    (plugins/kda_cp: exact sequence parallelism by affine state maps; one AllGather of `lengths`
                    serves every layer); the new conv window and state are the sequence's, on every rank
-    logits         the graph output `logits` all-gathered over the ranks' rows (the executor restores the order)
+    logits         only each row's last valid token goes through the LM head: the head's input (the MatMul with a
+                   constant weight that `logits` comes from, through elementwise ops with constants) is gathered at
+                   position max(lengths, 1) - 1 of each row, and those [rows, 1, vocab] logits are all-gathered as
+                   the output `logits_last` (world * rows rows, small), so every rank holds the logits of each
+                   prompt's last token and samples the same next token for the replicated decode; the executor picks
+                   the row that holds it. No rank computes or moves the other tokens' logits.
 
 Decode graphs (no dynamic sequence axis) stay whole: every rank runs the same decode on identical caches. After
 partition_tp (tp x cp), each tp rank's graph is split again: the rules never look at heads, and the collectives
@@ -39,6 +44,7 @@ import dataclasses
 import json
 from typing import Literal
 
+import numpy as np
 import onnx_ir as ir
 
 from kimi_compile import cp_layout, ops
@@ -56,8 +62,8 @@ class PartitionCPError(ValueError):
 
 class PartitionCPPass(KimiPass):
     name = "partition_cp"
-    version = 1
-    changes_signature = True  # the prefill logits output holds every rank's rows
+    version = 2
+    changes_signature = True  # the prefill's `logits` output becomes `logits_last` (every rank's rows' last token)
     partitions = True  # the pipeline runs one copy per rank (for_rank)
 
     @dataclasses.dataclass(frozen=True)
@@ -107,9 +113,10 @@ class PartitionCPPass(KimiPass):
                 self._kda(n, inputs["lengths"])
                 stats.add("kda_layers")
         i, logits = outs["logits"]
-        gathered = self._collective(logits, after=logits.producer(), name="logits.cp_gather")
+        last = self._last_rows(logits, inputs["lengths"])
+        gathered = self._collective(last, after=last.producer(), name="logits.cp_gather")
         logits.name = "logits.cp_local"
-        gathered.name = "logits"
+        gathered.name = "logits_last"
         g.outputs[i] = gathered
         attach_functions(model)
         hist: dict[str, int] = {}
@@ -123,6 +130,71 @@ class PartitionCPPass(KimiPass):
         return True
 
     # ---- rewrites ---------------------------------------------------------------------------------------------
+
+    _ELEMENTWISE = {"Cast", "Mul", "Div", "Add", "Sub", "Tanh", "Identity"}
+
+    def _last_rows(self, logits: ir.Value, lengths: ir.Value) -> ir.Value:
+        """[rows, 1, vocab]: the logits of each row's last valid token, the LM head run on those rows only (the
+        gather moves before the head's MatMul when the chain to it is elementwise with constants)."""
+        chain, v = [], logits
+        while True:
+            n = v.producer()
+            if n is None or n.domain not in ("", "ai.onnx"):
+                break
+            data = [x for x in n.inputs if x is not None and x.const_value is None]
+            if n.op_type == "MatMul" and len(data) == 1 and n.inputs[0] is data[0]:
+                chain.append(n)
+                v = n.inputs[0]
+                break
+            if n.op_type not in self._ELEMENTWISE or len(data) != 1:
+                chain = []
+                v = logits
+                break
+            chain.append(n)
+            v = data[0]
+        head = chain[-1] if chain and chain[-1].op_type == "MatMul" else None
+        x = v if head is not None else logits
+        anchor = [x.producer()]
+
+        def node(op, ins, attrs=None, name=""):
+            nd = ir.node(op, ins, attrs or {}, name=f"{RULE}.last.{name or op}")
+            nd.metadata_props["kimi.rule"] = f"{RULE}.last_token"
+            if head is not None:  # right before the head, in order
+                self.g.insert_before(head, nd)
+            else:  # after the logits' producer, in order
+                self.g.insert_after(anchor[0], nd)
+                anchor[0] = nd
+            return nd.outputs[0]
+
+        def const(name, arr):
+            arr = np.asarray(arr, np.int64)
+            nm = f"{RULE}.last.{name}"
+            if nm not in self.g.initializers:
+                self.g.register_initializer(ir.Value(name=nm, shape=ir.Shape(arr.shape),
+                                                     type=ir.TensorType(ir.DataType.INT64),
+                                                     const_value=ir.tensor(arr, name=nm)))
+            return self.g.initializers[nm]
+
+        pos = node("Sub", [node("Max", [lengths, const("one", [1])]), const("one", [1])], name="pos")
+        idx = node("Reshape", [pos, const("col", [-1, 1, 1])], name="idx")
+        shp = node("Shape", [x], name="shape")
+        tgt = node("Concat", [node("Slice", [shp, const("s0", [0]), const("one", [1])], name="rows"),
+                              const("one", [1]), node("Slice", [shp, const("s2", [2]), const("s3", [3])],
+                                                      name="width")], {"axis": 0}, name="target")
+        picked = node("GatherElements", [x, node("Expand", [idx, tgt], name="expand")], {"axis": 1}, name="gather")
+        if x.dtype is not None:
+            picked.dtype = x.dtype
+        if x.shape is not None:
+            picked.shape = ir.Shape([x.shape[0], 1, *list(x.shape)[2:]])
+        if head is None:
+            return picked
+        head.replace_input_with(0, picked)
+        for n in chain:  # the head and the elementwise ops after it now carry one row per sequence piece
+            for o in n.outputs:
+                if o.shape is not None and len(o.shape) >= 2:
+                    o.shape = ir.Shape([o.shape[0], 1, *list(o.shape)[2:]])
+        self.stats.add("last_token_head")
+        return logits
 
     def _collective(self, x: ir.Value, *, after: ir.Node | None = None, before: ir.Node | None = None,
                     name: str) -> ir.Value:

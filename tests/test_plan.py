@@ -187,3 +187,39 @@ def test_a_layout_the_model_cannot_split_is_refused_by_name():
     with pytest.raises(PlanError, match=r"layout 'tp3' does not fit kimi-k3.1-tiny: tp=3 does not divide "
                                         r"num_attention_heads"):
         plan(recipe, [Layout.parse("tp3")])
+
+
+def test_ttft_model(recipe, cache, planned):
+    """The TTFT model (issue 18): the calibration reproduces its measurement; cp divides the token-wise work by cp
+    and the attention nearly so (zigzag); the table and JSON carry every (layout, length); bad --ttft is refused."""
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from kimi_compile.cli import main
+    from kimi_compile.config import preset
+    from kimi_compile.plan import (CALIBRATION, Layout, calibrated_throughput, plan_text, prefill_flops,
+                                   single_rank_plan)
+
+    small = preset(CALIBRATION["preset"])
+    rate = calibrated_throughput()
+    one = single_rank_plan(small)
+    assert one.expert_elements > 0 and one.weight_regions["embed"] == small.vocab_size * small.hidden_size
+    assert abs(sum(prefill_flops(one, small, CALIBRATION["tokens"]).values()) / rate - CALIBRATION["seconds"]) < 1e-9
+    cfg = preset("kimi-k3.1-tiny")
+    cp4 = dataclasses.replace(planned, layout=Layout(tp=planned.layout.tp, cp=4))
+    f1, f4 = prefill_flops(planned, cfg, 4096), prefill_flops(cp4, cfg, 4096)
+    assert f4["linear"] == f1["linear"] / 4 and f4["kda"] == f1["kda"] / 4
+    assert f1["attention"] / 4 < f4["attention"] < f1["attention"] / 4 * 1.05
+    path = os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-tp2.yaml")
+    doc = json.loads(plan_text(path, ("tp2", "tp2xcp2"), as_json=True, cache=cache, ttft=(8192, 65536)))
+    rows = doc["ttft"]["rows"]
+    assert [(r["layout"], r["tokens"]) for r in rows] == [("tp2", 8192), ("tp2", 65536), ("tp2xcp2", 8192),
+                                                         ("tp2xcp2", 65536)]
+    for r in rows:
+        assert r["ttft_s"] == r["compute_s"] + r["comm_s"] and r["ttft_at_peak_s"] < r["ttft_s"]
+    assert rows[2]["ttft_s"] < rows[0]["ttft_s"] and rows[1]["ttft_s"] > 8 * rows[0]["ttft_s"]  # quadratic indexer
+    text = plan_text(path, ("tp2",), cache=cache, ttft=(8192,))
+    assert "Modelled TTFT of one prompt" in text and "| tp2 | 8K |" in text
+    bad = CliRunner().invoke(main, ["plan", path, "--ttft", "8k"])
+    assert bad.exit_code != 0 and "--ttft" in bad.output and "comma-separated token counts" in bad.output

@@ -130,9 +130,13 @@ class Session:
                 if not (isinstance(t, (int, np.integer)) and 0 <= int(t) < self.vocab_size):
                     raise RuntimeInputError(f"prompt {b}: token id {t!r} is not in 0..{self.vocab_size - 1}")
 
-    def _run(self, phase: str, ids: np.ndarray, lens: np.ndarray, cache: CacheState):
-        """One graph step over the cache's rows (padding rows: no tokens); logits of the real rows."""
+    def _run(self, phase: str, ids: np.ndarray, lens: np.ndarray, cache: CacheState, *, last: bool = False):
+        """One graph step over the cache's rows (padding rows: no tokens); logits of the real rows ([B, T, vocab];
+        with `last`, [B, vocab] at each row's last token of this step)."""
         B = ids.shape[0]
+        if not last and phase == "prefill" and int((self.manifest.get("parallel") or {}).get("cp", 1)) > 1:
+            raise RuntimeInputError("this artifact's prefill returns only each prompt's last-token logits (context "
+                                    "parallel: parallel.cp > 1); use prefill_last or generate")
         if cache.rows > B:
             ids = np.concatenate([ids, np.zeros((cache.rows - B, ids.shape[1]), np.int64)])
             lens = np.concatenate([lens, np.zeros(cache.rows - B, np.int64)])
@@ -143,7 +147,13 @@ class Session:
         for name in cache.names:
             cache.tensors[name] = out[name + ".out"]
         cache.seq_lens = cache.seq_lens + lens
-        return out["logits"][:B]
+        if "logits" not in out:  # the executor gave each row's last-token logits only (context-parallel prefill)
+            return out["logits_last"][:B]
+        logits = out["logits"][:B]
+        if not last:
+            return logits
+        rows = [logits[b, max(int(lens[b]) - 1, 0)] for b in range(B)]
+        return self.backend.stack(rows) if hasattr(self.backend, "stack") else np.stack(rows)
 
     def _host(self, x) -> np.ndarray:
         return self.backend.host(x) if hasattr(self.backend, "host") else np.asarray(x)
@@ -182,10 +192,10 @@ class Session:
         last: list = [None] * len(prompts)
         for off in range(0, T, chunk):
             ids, lens = self._prefill_rows(prompts, off, min(chunk, T - off))
-            logits = self._run("prefill", ids, lens, cache)
+            rows = self._run("prefill", ids, lens, cache, last=True)
             for b, p in enumerate(prompts):
                 if off < len(p) <= off + chunk:
-                    last[b] = logits[b, len(p) - 1 - off]
+                    last[b] = rows[b]
         return self.backend.stack(last) if hasattr(self.backend, "stack") else np.stack(last)
 
     def decode(self, tokens: Sequence[int], cache: CacheState) -> np.ndarray:

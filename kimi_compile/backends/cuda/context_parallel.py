@@ -2,8 +2,9 @@
 session's ragged prefill step ([B, T] token ids, start, lengths, block table, caches) becomes this rank's pieces
 (kimi_compile/cp_layout.py: row j*B + b holds sequence b's chunk rank_chunks(rank)[j], with the chunk's global start,
 its length and the sequence's block-table row; KDA conv / state rows repeat the sequence's), the rank graph runs, and
-the results come back in the session's shapes: logits [B, T, vocab] with the order restored from every rank's rows
-(the graph all-gathers them), per-sequence caches from the first piece row of each sequence (every piece row holds
+the results come back in the session's shapes: `logits_last` [B, vocab], the logits of each sequence's last token
+(the graph runs the LM head on each piece's last token only and all-gathers those rows; the piece that holds the
+sequence's end gives them), per-sequence caches from the first piece row of each sequence (every piece row holds
 its sequence's state after the prefill), paged pools as written (whole, identical on every rank)."""
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ def run_prefill(ex, feeds: dict) -> dict:
         if name not in dev:
             dev[name] = v.index_select(0, seq) if name in per_row else v
     out = ex.program("prefill").run(dev, plan=ex.plan, graphs=False)
-    gathered = out["logits"]  # [world * rows, Tl, vocab]: every rank's rows in rank order
-    logits = torch.zeros((B, T, gathered.shape[-1]), dtype=gathered.dtype, device=gathered.device)
+    gathered = out["logits_last"]  # [world * rows, 1, vocab]: each piece row's last token, every rank's in order
+    last = torch.zeros((B, gathered.shape[-1]), dtype=gathered.dtype, device=gathered.device)
     for q in range(world):
         for j, c in enumerate(cp_layout.rank_chunks(world, layout, q)):
             for b in range(B):
                 a, e = bounds[b][c]
-                logits[b, a:e] = gathered[q * rows + j * B + b, : e - a]
-    res = dict(out)
-    res["logits"] = logits
+                if a < e == lens[b]:  # this piece holds the sequence's last token
+                    last[b] = gathered[q * rows + j * B + b, 0]
+    res = {k: v for k, v in out.items() if k != "logits_last"}
+    res["logits_last"] = last
     for name in per_row:
         res[name + ".out"] = out[name + ".out"][:B]  # rows j = 0: every piece row holds the sequence's new state
     return res
