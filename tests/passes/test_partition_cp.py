@@ -47,7 +47,9 @@ def test_prefill_gathers_pool_writes_and_logits():
     for w in (n for n in m.graph if n.op_type == "PagedWrite"):
         assert w.inputs[1].producer().op_type == "AllGather" and w.inputs[2].producer().op_type == "AllGather"
     out = m.graph.outputs[0]
-    assert out.name == "logits" and out.producer().op_type == "AllGather"
+    assert out.name == "logits_last" and out.producer().op_type == "AllGather"  # each row's last token only
+    picked = [n for n in m.graph if n.op_type == "GatherElements"]
+    assert len(picked) == 1 and picked[0].attributes["axis"].value == 1
 
 
 def test_decode_stays_whole():
