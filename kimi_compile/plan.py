@@ -672,17 +672,12 @@ def ttft_model(p: LayoutPlan, cfg: KimiConfig, tokens: int, flops_per_s: float) 
             "wire_bytes": wire, "ttft_s": compute + comm, "ttft_at_peak_s": sum(f.values()) / H200_BF16_PEAK + comm}
 
 
-def calibrated_throughput(cache=None, say: Callable[[str], None] = lambda _m: None) -> float:
+def calibrated_throughput() -> float:
     """FLOP/s that turns prefill_flops of the calibration run into its measured seconds."""
-    del cache, say  # the calibration model is counted from its parameters, not from graphs
-    cfg = preset_config(CALIBRATION["preset"])
-    return sum(prefill_flops(single_rank_plan(cfg), cfg, CALIBRATION["tokens"]).values()) / CALIBRATION["seconds"]
-
-
-def preset_config(name: str) -> KimiConfig:
     from kimi_compile.config import preset
 
-    return preset(name)
+    cfg = preset(CALIBRATION["preset"])  # counted from its parameters, not from graphs
+    return sum(prefill_flops(single_rank_plan(cfg), cfg, CALIBRATION["tokens"]).values()) / CALIBRATION["seconds"]
 
 
 def single_rank_plan(cfg: KimiConfig) -> LayoutPlan:
@@ -727,7 +722,7 @@ def plan_text(recipe_path: str, layouts: tuple[str, ...] = (), *, as_json: bool 
     cps = sorted({p.layout.cp for p in plans if p.layout.cp > 1})
     cfg = model_config(recipe)
     balance = cp_balance(cfg, cps) if cps else []
-    rate = calibrated_throughput(cache=cache, say=say) if ttft else 0.0
+    rate = calibrated_throughput() if ttft else 0.0
     ttft_rows = [ttft_model(p, cfg, n, rate) for p in plans if p.layout.dp == 1 for n in ttft] if ttft else []
     if as_json:
         return json.dumps({"recipe": recipe.name, "model": recipe.model.preset or recipe.model.checkpoint,

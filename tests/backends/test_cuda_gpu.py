@@ -42,6 +42,17 @@ def test_tiny_tokens_equal_the_fp32_reference_on_the_gpu(tiny_pair):
     assert sess.generate(PROMPTS, 32, stop_at_eos=False) == want
 
 
+def _greedy_rows(sess, prompts, steps: int = 12) -> torch.Tensor:
+    """The last-token logits of a prefill and of `steps` greedy decode steps, copied to the host."""
+    cache = sess.new_cache(len(prompts))
+    last = sess.prefill_last(prompts, cache)
+    rows = []
+    for _ in range(steps):
+        rows.append(last.float().cpu().clone())
+        last = sess._decode(last.argmax(-1).tolist(), cache)
+    return torch.stack(rows)
+
+
 def test_graph_replay_is_bit_identical_to_eager(tiny_pair):
     _, cuda_dir = tiny_pair
     P = [p[:3] for p in PROMPTS]
@@ -49,14 +60,7 @@ def test_graph_replay_is_bit_identical_to_eager(tiny_pair):
     for graphs in (False, True):
         sess = load(cuda_dir)
         sess.backend.graphs = graphs
-        cache = sess.new_cache(len(P))
-        last = sess.prefill_last(P, cache)
-        rows = []
-        for _ in range(12):
-            tok = last.argmax(-1)
-            rows.append(last.float().cpu().clone())
-            last = sess._decode(tok.tolist(), cache)
-        outs[graphs] = torch.stack(rows)
+        outs[graphs] = _greedy_rows(sess, P)
         if graphs:
             spec = next(iter(sess.backend.program("decode")._specs.values()))
             assert spec.graph is not None, spec.capture_error
@@ -91,16 +95,10 @@ def test_stream_plan_replay_is_bit_identical_to_one_stream(tmp_path):
     for streams in (False, True):
         sess = load(art)
         sess.backend.streams = streams
-        cache = sess.new_cache(len(P))
-        last = sess.prefill_last(P, cache)
-        rows = []
-        for _ in range(12):
-            rows.append(last.float().cpu().clone())
-            last = sess._decode(last.argmax(-1).tolist(), cache)
+        outs[streams] = _greedy_rows(sess, P)
         prog = sess.backend.program("decode")
         assert prog.streams == (3 if streams else 1), prog.streams
         spec = next(iter(prog._specs.values()))
         assert spec.graph is not None, spec.capture_error
         assert spec.multi_stream == streams
-        outs[streams] = torch.stack(rows)
     assert torch.equal(outs[True], outs[False])

@@ -84,21 +84,23 @@ def test_idempotent(k31):
     assert r.counts["matches"] == 0
 
 
-@pytest.mark.parametrize("lbeta, renorm, k", [(25.0, 1, 2), (0.0, 0, 3)])
-def test_op_body_matches_reference(lbeta, renorm, k):
-    rng = np.random.default_rng(0)
-    N, hid, E, L, I, Is = 11, 16, 8, 12, 10, 14
-
+def _moe_feeds(rng, N: int, hid: int = 16, E: int = 8, L: int = 12, I: int = 10, Is: int = 14) -> dict:
+    """Random kimi.MoE inputs (fp32): N tokens, E experts of latent L and width I, a shared expert of width Is."""
     def r(*s):
         return (rng.standard_normal(s) * 0.3).astype(np.float32)
 
-    feeds = dict(x=r(1, N, hid) * 3, router_w=r(E, hid), router_bias=r(E), w_down=r(L, hid), w1=r(E, I, L),
-                 w3=r(E, I, L), w2=r(E, L, I), norm_w=r(L), w_up=r(hid, L), shared_gate=r(Is, hid),
-                 shared_up=r(Is, hid), shared_down=r(hid, Is))
+    return dict(x=r(1, N, hid) * 3, router_w=r(E, hid), router_bias=r(E), w_down=r(L, hid), w1=r(E, I, L),
+                w3=r(E, I, L), w2=r(E, L, I), norm_w=r(L), w_up=r(hid, L), shared_gate=r(Is, hid),
+                shared_up=r(Is, hid), shared_down=r(hid, Is))
+
+
+@pytest.mark.parametrize("lbeta, renorm, k", [(25.0, 1, 2), (0.0, 0, 3)])
+def test_op_body_matches_reference(lbeta, renorm, k):
+    feeds = _moe_feeds(np.random.default_rng(0), N=11)
     attrs = dict(top_k=k, renormalize=renorm, scaling=1.5, situ_beta=4.0, situ_linear_beta=lbeta, eps=1e-5)
     (got,) = _run_single(ops.lookup("MoE"), feeds, attrs)
     want = ops.lookup("MoE").reference(**feeds, **attrs)
-    assert got.shape == want.shape == (1, N, hid)
+    assert got.shape == want.shape == (1, 11, 16)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-5
 
 
@@ -248,15 +250,7 @@ def test_cuda_kernel_matches_reference_and_is_deterministic():
 
     from plugins.moe import cuda as moe_cuda
 
-    rng = np.random.default_rng(2)
-    N, hid, E, L, I, Is = 13, 16, 8, 12, 10, 14
-
-    def r(*s):
-        return (rng.standard_normal(s) * 0.3).astype(np.float32)
-
-    feeds = dict(x=r(1, N, hid) * 3, router_w=r(E, hid), router_bias=r(E), w_down=r(L, hid), w1=r(E, I, L),
-                 w3=r(E, I, L), w2=r(E, L, I), norm_w=r(L), w_up=r(hid, L), shared_gate=r(Is, hid),
-                 shared_up=r(Is, hid), shared_down=r(hid, Is))
+    feeds = _moe_feeds(np.random.default_rng(2), N=13)
     attrs = dict(top_k=3, renormalize=1, scaling=1.5, situ_beta=4.0, situ_linear_beta=25.0, eps=1e-5)
     want = ops.lookup("MoE").reference(**feeds, **attrs)
     args = [torch.from_numpy(v) for v in feeds.values()]
