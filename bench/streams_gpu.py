@@ -5,13 +5,18 @@ step's kernels per stream).
 
     KIMI_COMMIT=$(git rev-parse HEAD) python bench/streams_gpu.py ARTIFACT --out $OUT/streams_gpu.json
         [--cases 1x32768,8x32768,32x32768] [--rounds 4] [--steps 16] [--trace-batch 1] [--png $OUT/streams_b1.png]
+        [--layer-cases 1x32768,8x32768,32x32768] [--layer-repeat 20]
 
 Like against like: both programs are built from the same graph in one process, share one set of caches and are
 replayed alternately (--rounds rounds of --steps steps each, after one warm-up that captures); a row gives the
 median step time (graph replay + greedy pick on the device + host loop, as bench/e2e_gpu.py's decode rows) of each
 and their ratio. The trace section profiles --steps graph replays (torch.profiler, CUDA activity: kernels inside a
 graph are recorded with their stream) and reports per stream its busy time and the time during which kernels of two
-or more streams ran at once.
+or more streams ran at once. The layer section times one decoder layer of each kind alone (the first of each kind
+in the manifest's stream plan): after a real step has filled every intermediate, that layer's steps (side streams
+forked and joined as in the step, waits on producers outside the layer dropped: they have run) are captured
+--layer-repeat times in one CUDA graph, and the replay's CUDA-event time divided by the repeats is the layer's time,
+for the stream plan and for one stream alike.
 """
 
 from __future__ import annotations
@@ -83,6 +88,101 @@ def compare(art: str, B: int, ctx: int, rounds: int, steps: int) -> dict:
                   "capture_error": spec.capture_error}
     row["one_stream_over_streams"] = row["one stream"]["median_us"] / row["streams"]["median_us"]
     return row
+
+
+def layer_names(sess, phase: str = "decode") -> dict[int, tuple[str, set[str]]]:
+    """{layer: (kind, node names)} of the first layer of each kind (the manifest's per-layer stream plan)."""
+    import re
+
+    import onnx_ir as ir
+
+    man = sess.backend.manifest
+    kinds = {r["layer"]: r["kind"] for r in man["graphs"][phase]["stream_plan"]["layers"] if "schedule" in r}
+    m = ir.load(sess.backend.dir / man["graphs"][phase]["file"])
+    pat = re.compile(r"model\.model\.layers\.(\d+)")
+    out: dict[int, tuple[str, set[str]]] = {i: (k, set()) for i, k in kinds.items()}
+    for n in m.graph:
+        hit = pat.search(n.metadata_props.get("namespace", ""))
+        if hit and int(hit.group(1)) in out:
+            out[int(hit.group(1))][1].add(n.name)
+    return out
+
+
+def run_steps(spec, idx: list[int], env: list) -> None:
+    """Steps `idx` of a specialized program on its streams (program.Specialized.run's order and events); waits on
+    producers outside `idx` are dropped: they ran before."""
+    if not spec.multi_stream:
+        for k in idx:
+            spec._step(spec.steps[k], env)
+        return
+    main = torch.cuda.current_stream()
+    streams = [main, *spec.side]
+    inside = set(idx)
+    spec.fork.record(main)
+    for st in spec.side:
+        st.wait_event(spec.fork)
+    for k in idx:
+        s = spec.steps[k]
+        st = streams[s.stream]
+        for d in spec.wait_on[k]:
+            if d in inside:
+                st.wait_event(spec.events[d])
+        with torch.cuda.stream(st):
+            spec._step(s, env)
+        ev = spec.events.get(k)
+        if ev is not None:
+            ev.record(st)
+    for st, ev in zip(spec.side, spec.joins):
+        ev.record(st)
+        main.wait_event(ev)
+
+
+def layer_times(art: str, B: int, ctx: int, repeat: int, reps: int = 20) -> dict:
+    """One layer of each kind alone, captured `repeat` times in one graph, per program (stream plan, one stream)."""
+    sess, progs = two_programs(art)
+    cache = sess.new_cache(B)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    fill_caches(sess, cache, ctx, gen)
+    state = {"tok": torch.randint(3, sess.vocab_size, (B,), generator=gen, device="cuda").tolist()}
+    step = step_fn(sess, cache, state)
+    layers = layer_names(sess)
+    out = {"batch": B, "context": ctx, "repeat": repeat, "layers": []}
+    for k, p in progs.items():
+        sess.backend._programs["decode"] = p
+        for _ in range(3):  # specialize, capture the whole step, replay once
+            step()
+    for layer, (kind, names) in sorted(layers.items()):
+        row = {"layer": layer, "kind": kind}
+        for k, p in progs.items():
+            spec = next(iter(p._specs.values()))
+            idx = [i for i, s in enumerate(spec.steps) if s.name in names]
+            env = spec._env(spec.graph_inputs)
+            torch.cuda.synchronize()
+            for s in spec.steps:  # every intermediate of a real step in its slot
+                spec._step(s, env)
+            run_steps(spec, idx, env)  # warm-up of the sub-sequence outside capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(repeat):
+                    run_steps(spec, idx, env)
+            g.replay()
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(reps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                g.replay()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) * 1e3 / repeat)
+            row[k] = {"steps": len(idx), "side_steps": sum(1 for i in idx if spec.steps[i].stream),
+                      "median_us": statistics.median(ts)}
+            del g
+        row["one_stream_over_streams"] = row["one stream"]["median_us"] / row["streams"]["median_us"]
+        row["reduction"] = 1 - 1 / row["one_stream_over_streams"]
+        out["layers"].append(row)
+    return out
 
 
 def kernel_intervals(trace_path: str) -> list[tuple[int, float, float, str]]:
@@ -183,6 +283,8 @@ def main() -> None:
     ap.add_argument("--trace-batch", type=int, default=1)
     ap.add_argument("--trace-context", type=int, default=32768)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--layer-cases", default="1x32768,8x32768,32x32768")
+    ap.add_argument("--layer-repeat", type=int, default=20)
     a = ap.parse_args()
     res = {**meta(), "artifact": os.path.basename(a.artifact.rstrip("/")), "rows": []}
 
@@ -198,7 +300,18 @@ def main() -> None:
         print(json.dumps(res["trace"]), flush=True)
         torch.cuda.empty_cache()
         save()
-    for c in a.cases.split(","):
+    res["layer_rows"] = []
+    for c in [c for c in a.layer_cases.split(",") if c]:
+        B, ctx = map(int, c.split("x"))
+        try:
+            row = layer_times(a.artifact, B, ctx, a.layer_repeat)
+        except Exception as e:  # noqa: BLE001
+            row = {"batch": B, "context": ctx, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+        print(json.dumps(row), flush=True)
+        res["layer_rows"].append(row)
+        torch.cuda.empty_cache()
+        save()
+    for c in [c for c in a.cases.split(",") if c]:
         B, ctx = map(int, c.split("x"))
         try:
             row = compare(a.artifact, B, ctx, a.rounds, a.steps)

@@ -90,8 +90,10 @@ def _valid_only(x, lengths):
 
 
 def segment_map_op(x, conv_state, lengths, tails, lengths_all, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b,
-                   w_b, A_log, dt_bias, a: dict):
-    """[A | B] [R, H, Dk, Dk + Dv] of every local piece, from its true conv window."""
+                   w_b, A_log, dt_bias, a: dict, recurrence=None):
+    """[A | B] [R, H, Dk, Dk + Dv] of every local piece, from its true conv window. `recurrence` runs the delta rule
+    over the augmented state (plugins/kda_recurrence/reference.py segment_map): None = the reference model's chunked
+    form in float32; a kernel (the GPU's chunk_kda) takes k and v in the layer's compute dtype, as the replay does."""
     import torch
 
     from kimi_compile.plugins.kda.cuda import prepare
@@ -101,7 +103,8 @@ def segment_map_op(x, conv_state, lengths, tails, lengths_all, w_q, w_k, w_v, co
     x = _valid_only(x, lengths)
     q, k, v, g, beta = prepare(x, win, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, A_log,
                                dt_bias, a)
-    A, B = segment_map(k.float(), g.float(), beta.float(), v.float())
+    dt = torch.float32 if recurrence is None else v.dtype
+    A, B = segment_map(k.to(dt), g.float(), beta.float(), v.to(dt), recurrence)
     return torch.cat([A, B], -1)
 
 

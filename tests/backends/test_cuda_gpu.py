@@ -24,8 +24,15 @@ from tests.conftest import ROOT  # noqa: E402
 PROMPTS = [[5, 17, 3, 99, 250, 7, 12, 40, 41, 8, 300, 2, 77], [9, 8, 7], [400, 1, 2, 3, 4, 5, 6]]
 
 
+# a folder of artifacts built beforehand (on any machine: `kimi-compile build` of the recipes below, named
+# <recipe>.ort, <recipe>.cuda (its backend overridden) and kimi-k3.1-tiny-cuda): the tests then spend GPU-machine time on the GPU, not tracing
+PREBUILT = os.environ.get("KIMI_GPU_TEST_ARTIFACTS")
+
+
 @pytest.fixture(scope="module", params=["kimi-k3-tiny", "kimi-k3.1-tiny"])
 def tiny_pair(request, tmp_path_factory):
+    if PREBUILT:
+        return os.path.join(PREBUILT, f"{request.param}.ort"), os.path.join(PREBUILT, f"{request.param}.cuda")
     tmp = tmp_path_factory.mktemp(request.param)
     cache = CompileCache(root=tmp / "cache")
     recipe = load_recipe(os.path.join(ROOT, "recipes", f"{request.param}.yaml"))
@@ -88,8 +95,11 @@ def test_small_preset_has_no_reference_fallback_on_the_gpu(tmp_path):
 def test_stream_plan_replay_is_bit_identical_to_one_stream(tmp_path):
     """kimi-k3.1-tiny-cuda carries an assign_streams plan (3 streams): its decode, captured as a CUDA graph with
     side streams forked and joined by events, gives exactly the logits of the same program on one stream."""
-    recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-cuda.yaml"))
-    art = build(recipe, tmp_path / "cuda", cache=CompileCache(root=tmp_path / "cache")).artifact
+    if PREBUILT:
+        art = os.path.join(PREBUILT, "kimi-k3.1-tiny-cuda")
+    else:
+        recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-cuda.yaml"))
+        art = build(recipe, tmp_path / "cuda", cache=CompileCache(root=tmp_path / "cache")).artifact
     P = [p[:5] for p in PROMPTS]
     outs = {}
     for streams in (False, True):

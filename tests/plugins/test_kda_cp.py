@@ -14,36 +14,38 @@ P_ = H * D
 ATTRS = {"lower_bound": -5.0, "scale": D ** -0.5, "l2_eps": 1e-6, "eps": 1e-5, "chunk_size": 64}
 
 
-def _weights(gen):
+def _weights(gen, hid=HID, H=H, D=D):
     r = lambda *s, sc=0.3: torch.randn(*s, generator=gen) * sc  # noqa: E731
-    return [r(HID, P_), r(HID, P_), r(HID, P_), r(P_, 1, W), r(P_, 1, W), r(P_, 1, W), r(HID, D), r(D, P_), r(HID, H),
-            r(HID, P_), r(H, sc=0.5), r(H, D, sc=0.5), 1 + r(D, sc=0.1), r(P_, HID)]
+    P = H * D
+    return [r(hid, P), r(hid, P), r(hid, P), r(P, 1, W), r(P, 1, W), r(P, 1, W), r(hid, D), r(D, P), r(hid, H),
+            r(hid, P), r(H, sc=0.5), r(H, D, sc=0.5), 1 + r(D, sc=0.1), r(P, hid)]
 
 
-def _run_cp(x, conv0, s0, lengths, wts, world, layout):
-    """The three ops on every simulated rank; returns per rank (out, new_conv, new_state, rows' lengths)."""
-    B = x.shape[0]
+def _run_cp(x, conv0, s0, lengths, wts, world, layout, attrs=ATTRS):
+    """The three ops on every simulated rank (tensors on x's device); returns per rank (out, new_conv, new_state,
+    rows' lengths)."""
+    B, HID, dev = x.shape[0], x.shape[-1], x.device
     n = cp_layout.chunks(world, layout)
     bounds = [cp_layout.bounds(int(L), world, layout) for L in lengths]
     Tl = max(2, max(b - a for bs in bounds for a, b in bs))
     ranks = []
     for r in range(world):
         mine = cp_layout.rank_chunks(world, layout, r)
-        xs = torch.zeros(len(mine) * B, Tl, HID)
-        lens = torch.zeros(len(mine) * B, dtype=torch.int64)
+        xs = torch.zeros(len(mine) * B, Tl, HID, device=dev)
+        lens = torch.zeros(len(mine) * B, dtype=torch.int64, device=dev)
         for j, c in enumerate(mine):
             for b in range(B):
                 a, e = bounds[b][c]
                 xs[j * B + b, : e - a] = x[b, a:e]
                 lens[j * B + b] = e - a
-        idx = torch.arange(B).repeat(len(mine))
+        idx = torch.arange(B, device=dev).repeat(len(mine))
         ranks.append((xs, lens, conv0[idx].clone(), s0[idx].clone()))
     assert n == sum(len(cp_layout.rank_chunks(world, layout, r)) for r in range(world))
     prep, (w_g, A_log, dt_bias, o_norm, w_o) = wts[:9], wts[9:]
     tails = torch.cat([cp.conv_tail((xs, lens, *wts[:3], wts[3]), {})[0] for xs, lens, _, _ in ranks])
     lens_all = torch.cat([lens for _, lens, _, _ in ranks])
     out = []
-    a_ = [{**ATTRS, "world": world, "layout": layout, "rank": r} for r in range(world)]
+    a_ = [{**attrs, "world": world, "layout": layout, "rank": r} for r in range(world)]
     maps = torch.cat([cp.segment_map((xs, cs, lens, tails, lens_all, *prep, A_log, dt_bias), a_[r])[0]
                       for r, (xs, lens, cs, _) in enumerate(ranks)])
     for r, (xs, lens, cs, ss) in enumerate(ranks):
