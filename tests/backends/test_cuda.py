@@ -266,6 +266,16 @@ def test_stream_plan_can_be_turned_off(tiny_build, tmp_path):
         assert sess.backend.program("decode").streams == (3 if streams else 1)
         steps = sess.backend.program("decode").steps
         assert any(s.waits for s in steps) == streams
+        # the memory plan: a buffer a side stream reads or writes shares its bytes with no other buffer (cross-stream
+        # order is only what the events give, so reuse before or after it would race on a GPU)
+        spec = next(iter(sess.backend.program("decode")._specs.values()))
+        plan, side = spec.plan, [b for b in spec.plan.buffers if b.value in spec.side_values]
+        assert bool(side) == streams
+        for a in side:
+            a0 = plan.offsets[a.value]
+            for b in plan.buffers:
+                b0 = plan.offsets[b.value]
+                assert b is a or a0 + a.size <= b0 or b0 + b.size <= a0, (a, b)
     assert toks[True] == toks[False]
     # the plan per decoder layer in the manifest, the report (table + Gantt chart per layer kind) and inspect
     import json

@@ -19,7 +19,7 @@ import numpy as np
 from kimi_compile.backends.serialize import write_graphs
 
 NAME = "cuda"
-BUILD_VERSION = 3  # bump when what build() writes changes (part of the cache key)
+BUILD_VERSION = 4  # bump when what build() writes changes (part of the cache key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -345,12 +345,18 @@ class Specialized:
         end = len(self.steps)
         for _, i in self.prog.outputs:
             last[base.get(i, i)] = end
-        if self.multi_stream:  # a buffer read or written on a side stream is never reused (its readers may still run
-            for s in self.steps:  # when a later step on another stream would write its bytes)
+        # A buffer read or written on a side stream shares its bytes with no other buffer, for the whole step: not
+        # after it (its readers may still run when a later step on another stream would write those bytes) and not
+        # before it (a side stream may write it while the main stream still reads an earlier value placed there;
+        # program order says nothing across streams). Planned this way whenever the program has a stream plan, on
+        # any device, so the CPU tests check the plan the GPU runs.
+        self.side_values: set[int] = set()
+        if self.prog.streams > 1:
+            for s in self.steps:
                 if s.stream:
-                    for i in (*s.inputs, *s.outputs):
-                        if i is not None:
-                            last[base.get(i, i)] = end
+                    self.side_values.update(base.get(i, i) for i in (*s.inputs, *s.outputs) if i is not None)
+            for i in self.side_values:
+                last[i] = end
         self.base = base
         return last
 
@@ -366,8 +372,8 @@ class Specialized:
                 shape, dt = shapes[o]
                 nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
                 info[o] = (shape, dt, nbytes)
-                bufs.append(memory.Buffer(o, max(memory.aligned(nbytes), memory.ALIGN), k,
-                                          max(k, self.last_use.get(o, k))))
+                bufs.append(memory.Buffer(o, max(memory.aligned(nbytes), memory.ALIGN),
+                                          0 if o in self.side_values else k, max(k, self.last_use.get(o, k))))
         self.plan = memory.plan(bufs)
         self.plan.validate()
         self.arena = torch.empty(self.plan.peak, dtype=torch.uint8, device=self.prog.device)
