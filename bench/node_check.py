@@ -1,5 +1,6 @@
 """Every kimi.* node of a built cuda artifact, on real activations: its kernel's outputs beside its reference
-implementation's on the same inputs (one prefill chunk and a few decode steps of random prompts); then the whole
+implementation's on the same inputs (one prefill chunk, a few decode steps, then a second prefill continuing the sequences at start > 0: the shape of
+speculative verification and of chunked prefill, --continue tokens each); then the whole
 step with every kernel against the same program with every kimi.* node on its reference. Writes JSON.
 
     python bench/node_check.py ARTIFACT --out $OUT/node_check.json [--prompt 64] [--decode-steps 2] [--batch 2]
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=2)
+    ap.add_argument("--continue", dest="cont", type=int, default=4, help="tokens of the continuing prefill (0: none)")
     a = ap.parse_args()
     from run_info import run_info
 
@@ -96,7 +98,24 @@ def main() -> None:
     for _ in range(a.decode_steps):
         last = sess._decode(last.argmax(-1).tolist(), cache)
         logits_kernels.append(last.float().cpu())
+    n_first = len(checkers["prefill"].rows)
+    conts = [torch.randint(3, sess.vocab_size, (a.cont,), generator=gen).tolist() for _ in range(a.batch)]
+    if a.cont:
+        last = sess.prefill_last(conts, cache)
+        logits_kernels.append(last.float().cpu())
+        for r in checkers["prefill"].rows[n_first:]:
+            r["phase"] = "prefill (continued, start > 0)"
     res["nodes"] = checkers["prefill"].rows + checkers["decode"].rows
+    if a.cont:  # the same tokens as one prefill from position 0: the last logits agree up to rounding
+        whole = [p + [int(t) for t in torch.stack(logits_kernels[:-1])[:, b].argmax(-1)][:a.decode_steps] + c
+                 for b, (p, c) in enumerate(zip(prompts, conts))]
+        one = load(a.artifact)
+        one.backend.graphs = False
+        w = one.prefill_last(whole, one.new_cache(a.batch)).float().cpu()
+        res["continued_vs_whole_prefill"] = {**compare(logits_kernels[-1], w),
+                                             "top1_agree": float((logits_kernels[-1].argmax(-1) == w.argmax(-1))
+                                                                 .float().mean())}
+        del one
     # whole steps: every kimi.* node on its reference (same weights, same onnx-op lowering), same tokens
     ref_sess = load(a.artifact)
     ref_sess.backend.graphs = False
@@ -113,6 +132,8 @@ def main() -> None:
     for i in range(a.decode_steps):
         last = ref_sess._decode(logits_kernels[i].argmax(-1).tolist(), cache)
         logits_ref.append(last.float().cpu())
+    if a.cont:
+        logits_ref.append(ref_sess.prefill_last(conts, cache).float().cpu())
     res["whole_step"] = [{"step": i, **compare(k, r), "top1_agree": float((k.argmax(-1) == r.argmax(-1)).float().mean())}
                          for i, (k, r) in enumerate(zip(logits_kernels, logits_ref))]
     res["first_tokens"] = toks
@@ -120,7 +141,8 @@ def main() -> None:
                    for r in res["nodes"])[-12:]
     res["worst"] = worst
     Path(a.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps({"whole_step": res["whole_step"], "worst": worst}, indent=1))
+    print(json.dumps({"whole_step": res["whole_step"], "worst": worst,
+                      "continued_vs_whole_prefill": res.get("continued_vs_whole_prefill")}, indent=1))
 
 
 if __name__ == "__main__":
