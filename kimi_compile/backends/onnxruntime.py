@@ -97,6 +97,11 @@ class Executor:
             so.intra_op_num_threads = threads
         so.log_severity_level = 3
         use, self.notes = resolve_providers(providers, ort.get_available_providers())
+        if "CUDAExecutionProvider" in use and hasattr(ort, "preload_dlls"):
+            try:  # the CUDA and cuDNN libraries of the nvidia-* wheels (as torch installs them), when present
+                ort.preload_dlls()
+            except Exception as e:  # noqa: BLE001  (then the provider's own loader says what is missing)
+                self.notes.append(f"onnxruntime.preload_dlls failed ({type(e).__name__}: {e})")
         self.sessions = {}
         for phase, g in graphs.items():
             self.sessions[phase] = ort.InferenceSession(str(Path(artifact_dir) / g["file"]), so, providers=use)

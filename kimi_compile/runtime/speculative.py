@@ -20,8 +20,8 @@ reaches it drafts nothing that step, which commits it. Rows with drafts take a c
 state rows) only when their state moved since the last one. A step where no row has drafts or backlog runs the
 decode graph (T = 1), so speculation turned off costs nothing.
 
-Per sequence, an `AdaptiveK` controller turns the draft length down (to 0: off, with a 1-token probe every
-`probe_every` steps) when the estimated per-token acceptance makes drafting unprofitable under a cost model of the
+Per sequence, an `AdaptiveK` controller turns the draft length down (to 0: off, with 1-token probes on shared
+batch steps, spaced further apart after each failed one) when the estimated per-token acceptance makes drafting unprofitable under a cost model of the
 verify forward (`verify_cost`, `token_cost`, in decode steps; their values are to be measured on the GPU:
 bench/speculative_gpu.py). docs/speculative.md has the design, the cache bytes per method and what was not run.
 
@@ -58,7 +58,8 @@ class SpecConfig:
     draft: Any = None  # draft: an artifact directory or a loaded Session
     verify_cost: float = 0.15  # a verification forward over a decode step, in decode steps (to be measured)
     token_cost: float = 0.05  # each further token of a verification forward, in decode steps (to be measured)
-    probe_every: int = 8  # a sequence turned off drafts 1 token every this many steps
+    probe_every: int = 8  # a sequence turned off drafts 1 token after this many steps (doubling after each
+    probe_max: int = 64  # failed probe, up to probe_max; all rows probe on the same steps of the batch)
     decay: float = 0.8  # per observation: weight kept by the acceptance estimate's history
 
     def __post_init__(self):
@@ -72,9 +73,9 @@ class SpecConfig:
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"speculative.min_ngram/max_ngram: expected 1 <= min <= max, got {self.min_ngram}, "
                              f"{self.max_ngram}")
-        if not 0 <= self.decay < 1 or self.probe_every < 1:
-            raise ValueError(f"speculative.decay in [0, 1) and probe_every >= 1 expected, got {self.decay}, "
-                             f"{self.probe_every}")
+        if not 0 <= self.decay < 1 or not 1 <= self.probe_every <= self.probe_max:
+            raise ValueError(f"speculative.decay in [0, 1) and 1 <= probe_every <= probe_max expected, got "
+                             f"{self.decay}, {self.probe_every}, {self.probe_max}")
 
 
 def parse_spec(spec: Any) -> SpecConfig:
@@ -273,6 +274,17 @@ def _clone(t):
     return t.clone() if hasattr(t, "clone") else t.copy()
 
 
+def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted rows as [lo, hi) runs of consecutive rows: one slice copy each (no index tensor, no host sync)."""
+    out: list[tuple[int, int]] = []
+    for r in sorted(set(int(x) for x in rows)):
+        if out and out[-1][1] == r:
+            out[-1] = (out[-1][0], r + 1)
+        else:
+            out.append((r, r + 1))
+    return out
+
+
 class RowCheckpoint:
     """A copy of the per-sequence caches (KDA conv windows and recurrent states: every cache whose first dim is the
     batch) for chosen rows, with the cache length it was taken at. Paged pools are not copied: they roll back by
@@ -294,7 +306,8 @@ class RowCheckpoint:
             if n not in self.saved:
                 self.saved[n] = _clone(t)
             else:
-                self.saved[n][idx] = t[idx]
+                for lo, hi in _runs(idx):
+                    self.saved[n][lo:hi] = t[lo:hi]
         self.length[idx] = self.cache.seq_lens[idx]
         self.copies += len(idx)
 
@@ -304,7 +317,8 @@ class RowCheckpoint:
             return
         idx = list(rows)
         for n in self.names:
-            self.cache.tensors[n][idx] = self.saved[n][idx]
+            for lo, hi in _runs(idx):
+                self.cache.tensors[n][lo:hi] = self.saved[n][lo:hi]
         self.copies += len(idx)
 
 
@@ -357,44 +371,72 @@ class AdaptiveK:
     """Per sequence: the draft length k_b in 0..k that maximizes expected tokens per unit of step cost, where a
     decode step costs 1 and a verification step with k drafts 1 + verify_cost + k token_cost; the acceptance alpha
     is estimated from the drafts seen (accepted ones are successes, a rejection one failure; exponentially
-    forgotten; prior 3:1). k_b = 0 turns drafting off; a 1-token probe every probe_every steps keeps measuring."""
+    forgotten; prior 3:1). k_b = 0 turns drafting off; a sequence that is off drafts 1 token (a probe) on the batch
+    steps that are multiples of its probe gap (probe_every, doubled after each failed probe up to probe_max, reset
+    by an accepted one): the gaps are powers of two times probe_every, so the probes of a batch share steps.
+
+    `gate` decides for the batch: one forward serves every row, so drafts are kept only when the batch's expected
+    tokens per unit of cost beat plain decoding's (B tokens per decode step); a probe step or a replay backlog
+    (the prefill graph runs anyway) keeps them."""
 
     def __init__(self, cfg: SpecConfig, rows: int):
         self.cfg = cfg
         self.success = np.full(rows, 3.0)
         self.failure = np.ones(rows)
-        self.off = np.zeros(rows, dtype=np.int64)
+        self.gap = np.full(rows, cfg.probe_every, dtype=np.int64)
+        self.probing = np.zeros(rows, dtype=bool)
+        self.step = 0
 
     def alpha(self, b: int) -> float:
         return float(self.success[b] / (self.success[b] + self.failure[b]))
 
-    def best_k(self, alpha: float) -> int:
+    def cost(self, k: int) -> float:
+        """A step with k draft tokens (the longest row's), in decode steps."""
         c = self.cfg
+        return 1 + (c.verify_cost + k * c.token_cost if k else 0)
 
-        def gain(k: int) -> float:
-            return expected_tokens(alpha, k) / (1 + (c.verify_cost + k * c.token_cost if k else 0))
-        return max(range(c.k + 1), key=lambda k: (gain(k), -k))
+    def best_k(self, alpha: float) -> int:
+        return max(range(self.cfg.k + 1), key=lambda k: (expected_tokens(alpha, k) / self.cost(k), -k))
 
     def current(self, b: int) -> int:
         """The draft length the estimate gives now (k when not adaptive)."""
         return self.best_k(self.alpha(b)) if self.cfg.adaptive else self.cfg.k
 
+    def tick(self) -> None:
+        """A new batch step."""
+        self.step += 1
+        self.probing[:] = False
+
     def choose(self, b: int) -> int:
-        """The draft length of the next step (counts steps off for the probe)."""
+        """The draft length of sequence b at this step (a probe: 1 on the steps its gap divides)."""
         k = self.current(b)
-        if not self.cfg.adaptive:
+        if not self.cfg.adaptive or k:
             return k
-        if k:
-            self.off[b] = 0
-            return k
-        self.off[b] += 1
-        return 1 if self.off[b] % self.cfg.probe_every == 0 else 0
+        self.probing[b] = self.step % int(self.gap[b]) == 0
+        return int(self.probing[b])
+
+    def gate(self, ks: list[int], rows: Sequence[int], forced: bool) -> list[int]:
+        """This step's draft lengths for the batch (rows: the sequences still decoding). forced: a replay backlog
+        runs the prefill graph anyway. Drafts that do not pay for the batch's verification forward are dropped;
+        rows on their probe step then still probe (1 token), so the estimates keep moving."""
+        if not self.cfg.adaptive or forced or self.probing.any() or not any(ks):
+            return ks
+        spec = sum(expected_tokens(self.alpha(b), ks[b]) for b in rows)
+        if spec / self.cost(max(ks)) > len(rows):
+            return ks
+        out = [0] * len(ks)
+        for b in rows:
+            self.probing[b] = ks[b] > 0 and self.step % int(self.gap[b]) == 0
+            out[b] = int(self.probing[b])
+        return out
 
     def update(self, b: int, proposed: int, accepted: int) -> None:
         if proposed:
             d = self.cfg.decay ** proposed
             self.success[b] = d * self.success[b] + accepted
             self.failure[b] = d * self.failure[b] + (accepted < proposed)
+            if self.probing[b]:
+                self.gap[b] = self.cfg.probe_every if accepted else min(2 * self.gap[b], self.cfg.probe_max)
 
 
 # ---- the generation loop ----------------------------------------------------------------------------------------
@@ -455,16 +497,17 @@ class SpeculativeBatch:
 
     def _draft_lengths(self) -> list[int]:
         seq = self.cache.seq_lens
-        ks = []
-        for b in range(self.B):
-            if self.done[b]:
-                ks.append(0)
-                continue
-            pending = len(self.tokens[b]) - int(seq[b])
+        self.ctl.tick()
+        ks = [0] * self.B
+        live = [b for b in range(self.B) if not self.done[b]]
+        pending = {b: len(self.tokens[b]) - int(seq[b]) for b in live}
+        for b in live:
             k = self.ctl.choose(b)
-            self.st[b]["off_steps"] += k == 0
-            self.st[b]["k_sum"] += k
-            ks.append(max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending)))
+            ks[b] = max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending[b]))
+        ks = self.ctl.gate(ks, live, forced=any(p > 1 for p in pending.values()))
+        for b in live:
+            self.st[b]["off_steps"] += ks[b] == 0
+            self.st[b]["k_sum"] += ks[b]
         return ks
 
     def step(self) -> None:

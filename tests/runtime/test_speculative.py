@@ -134,6 +134,48 @@ def test_adaptive_k_follows_the_cost_model():
     assert sp.expected_tokens(0.5, 3) == 1 + 0.5 + 0.25 + 0.125 and sp.expected_tokens(1.0, 3) == 4
 
 
+
+def test_probes_back_off_and_share_batch_steps():
+    """A sequence that is off probes on the steps its gap divides; each failed probe doubles the gap up to
+    probe_max, an accepted one resets it; every off row of a batch probes on the same steps."""
+    cfg = sp.SpecConfig(k=4, probe_every=4, probe_max=16)
+    ctl = sp.AdaptiveK(cfg, 3)
+    ctl.success[:] = 0.0  # every row off (alpha 0)
+    probes = {b: [] for b in range(3)}
+    for step in range(1, 65):
+        ctl.tick()
+        for b in range(3):
+            if ctl.choose(b):
+                probes[b].append(step)
+                ctl.update(b, 1, int(b == 2 and step == 8))  # row 2's probe at step 8 is accepted
+                ctl.success[b] = 0.0
+    assert probes[0] == probes[1] == [4, 8, 16, 32, 48, 64]  # gaps 4, 8, 16, 16 (max), ...
+    assert probes[2] == [4, 8, 12, 16, 32, 48, 64]  # reset to 4 after the accepted probe at 8
+    assert set(probes[2]) >= set(probes[0])  # no probe of a row with a larger gap falls on a step of its own
+
+
+def test_batch_gate_keeps_drafts_only_when_they_pay_for_the_batch_forward():
+    """One forward serves the batch: with 8 rows, one row's drafts at alpha 0.5 do not pay for the verification
+    forward of all 8, at alpha 0.5 on every row they do; a replay backlog (forced) keeps them; a row on its probe
+    step still probes (1 token) when the rest is dropped."""
+    cfg = sp.SpecConfig(k=4, verify_cost=0.15, token_cost=0.05, probe_every=2)
+    ctl = sp.AdaptiveK(cfg, 8)
+    ctl.success[:], ctl.failure[:] = 1.0, 1.0  # alpha 0.5: best_k > 0 alone
+    k = ctl.best_k(0.5)
+    assert k > 0
+    ctl.tick()
+    rows = list(range(8))
+    one = [k] + [0] * 7
+    assert ctl.gate(one, rows, forced=False) == [0] * 8  # step 1: not a probe step
+    assert ctl.gate(one, rows, forced=True) == one
+    assert ctl.gate([k] * 8, rows, forced=False) == [k] * 8
+    ctl.tick()
+    assert ctl.gate(one, rows, forced=False) == [1] + [0] * 7  # step 2: row 0's probe
+    solo = sp.AdaptiveK(cfg, 1)
+    solo.success[:], solo.failure[:] = 1.0, 1.0
+    solo.tick()
+    assert solo.gate([k], [0], forced=False) == [k]  # B = 1: the gate agrees with best_k
+
 # ---- rollback and replay: the KDA state -------------------------------------------------------------------------
 
 def _plain_states(sess, want, n):
