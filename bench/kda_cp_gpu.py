@@ -77,6 +77,7 @@ def main() -> None:
         row["map_over_forward"] = row["map_fla_us"] / row["forward_fla_us"]
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
+        save(res, a.out)
     # accuracy: P pieces' maps composed against the sequential float64 recurrence (float32 inputs)
     for P in (2, 4):
         T, Hs = 1024, 4
@@ -95,9 +96,14 @@ def main() -> None:
                "composed_maps_rel_err": err(got), "whole_chunk_kda_rel_err": err(whole)}
         print(json.dumps(row), flush=True)
         res["accuracy"].append(row)
-    tmp = a.out + ".tmp"
+        save(res, a.out)
+    save(res, a.out)
+
+
+def save(res: dict, path: str) -> None:
+    tmp = path + ".tmp"
     Path(tmp).write_text(json.dumps(res, indent=1))
-    os.replace(tmp, a.out)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ from kimi_compile.backends.serialize import write_graphs
 NAME = "onnxruntime"
 BUILD_VERSION = 3  # bump when the files build() writes change (part of the cache key)
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}
+# fp32 graphs stay fp32 on the GPU: the CUDA provider's default TF32 matmuls gave kimi-k3.1-tiny prefill logits 2.6e-2
+# from the CPU provider's on the H200 (and other greedy tokens); bench/results/ort_gpu_2026-12-04.json
+PROVIDER_OPTIONS = {"CUDAExecutionProvider": {"use_tf32": "0"}}
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,8 @@ class Executor:
                 self.notes.append(f"onnxruntime.preload_dlls failed ({type(e).__name__}: {e})")
         self.sessions = {}
         for phase, g in graphs.items():
-            self.sessions[phase] = ort.InferenceSession(str(Path(artifact_dir) / g["file"]), so, providers=use)
+            self.sessions[phase] = ort.InferenceSession(str(Path(artifact_dir) / g["file"]), so,
+                                                        providers=[(p, PROVIDER_OPTIONS.get(p, {})) for p in use])
         self.providers = list(next(iter(self.sessions.values())).get_providers()) if self.sessions else use
         if "CUDAExecutionProvider" in use and "CUDAExecutionProvider" not in self.providers:
             self.notes.append("onnxruntime-gpu is installed but could not start its CUDA execution provider (CUDA "

@@ -56,8 +56,9 @@ class SpecConfig:
     max_ngram: int = 3  # ngram: longest suffix n-gram looked up
     min_ngram: int = 1  # ngram: shortest
     draft: Any = None  # draft: an artifact directory or a loaded Session
-    verify_cost: float = 0.15  # a verification forward over a decode step, in decode steps (to be measured)
-    token_cost: float = 0.05  # each further token of a verification forward, in decode steps (to be measured)
+    verify_cost: float = 0.05  # a verification forward over a decode step, in decode steps, and each further
+    token_cost: float = 0.04  # token of it (H200, kimi-k3.1-small, 1024 context: fits 0.014 / 0.045 at B=1,
+    #                           0.061 / 0.022 at B=8; bench/results/speculative_gpu_2026-12-04.json)
     probe_every: int = 8  # a sequence turned off drafts 1 token after this many steps (doubling after each
     probe_max: int = 64  # failed probe, up to probe_max; all rows probe on the same steps of the batch)
     decay: float = 0.8  # per observation: weight kept by the acceptance estimate's history
@@ -188,12 +189,46 @@ def ngram_lookup(context: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
     return []
 
 
+class NgramIndex:
+    """Prompt lookup over a growing context in O(new tokens) per call: for each n in min_ngram..max_ngram, the
+    latest start of every n-gram that has a token after it. `lookup` answers what `ngram_lookup` answers (a test
+    holds them equal)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.ns = range(max_ngram, min_ngram - 1, -1)
+        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.ns}
+        self.done = {n: 0 for n in self.ns}  # n-grams starting before this index are in latest[n]
+
+    def lookup(self, context: Sequence[int], k: int) -> list[int]:
+        L = len(context)
+        for n in self.ns:
+            if L - 1 < n:
+                continue
+            table = self.latest[n]
+            for i in range(self.done[n], L - n):  # starts 0..L-1-n: the suffix itself never counts
+                table[tuple(context[i:i + n])] = i
+            self.done[n] = max(self.done[n], L - n)
+            i = table.get(tuple(context[L - n:]))
+            if i is not None:
+                return [int(t) for t in context[i + n:i + n + k]]
+        return []
+
+
 class NgramDrafter(Drafter):
+    """Prompt lookup (`ngram_lookup`), with one incremental `NgramIndex` per sequence: contexts only grow within a
+    batch (prompt + emitted tokens), so each step indexes only the tokens emitted since the last."""
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.index: list[NgramIndex] = []
+
+    def start(self, batch_size, capacity, sampling):
+        self.index = [NgramIndex(self.max_ngram, self.min_ngram) for _ in range(batch_size)]
 
     def propose(self, contexts, ks):
-        return ([ngram_lookup(c, k, self.max_ngram, self.min_ngram) if k > 0 else [] for c, k in zip(contexts, ks)],
+        if len(self.index) != len(contexts):
+            self.start(len(contexts), 0, None)
+        return ([ix.lookup(c, k) if k > 0 else [] for ix, c, k in zip(self.index, contexts, ks)],
                 [None] * len(ks))
 
 
@@ -495,6 +530,12 @@ class SpeculativeBatch:
                     self.stop_at_eos and self.s.eos_token_id is not None and t == self.s.eos_token_id):
                 self.done[b] = True
 
+    def _forced(self) -> bool:
+        """A row has a replay backlog (more than the last emitted token to absorb): the step runs the prefill graph
+        whatever is drafted."""
+        seq = self.cache.seq_lens
+        return any(len(self.tokens[b]) - int(seq[b]) > 1 for b in range(self.B) if not self.done[b])
+
     def _draft_lengths(self) -> list[int]:
         seq = self.cache.seq_lens
         self.ctl.tick()
@@ -504,7 +545,7 @@ class SpeculativeBatch:
         for b in live:
             k = self.ctl.choose(b)
             ks[b] = max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending[b]))
-        ks = self.ctl.gate(ks, live, forced=any(p > 1 for p in pending.values()))
+        ks = self.ctl.gate(ks, live, forced=self._forced())
         for b in live:
             self.st[b]["off_steps"] += ks[b] == 0
             self.st[b]["k_sum"] += ks[b]
@@ -513,8 +554,12 @@ class SpeculativeBatch:
     def step(self) -> None:
         seq = self.cache.seq_lens
         ks = self._draft_lengths()
-        drafts, qs = self.drafter.propose(self.tokens, ks)
+        drafts, qs = self.drafter.propose(self.tokens, ks) if any(ks) else ([[]] * self.B, [None] * self.B)
         drafts = [list(d[:k]) for d, k in zip(drafts, ks)]
+        if any(len(d) < k for d, k in zip(drafts, ks)):  # the drafter found fewer: gate again on what it gave
+            live = [b for b in range(self.B) if not self.done[b]]
+            kept = self.ctl.gate([len(d) for d in drafts], live, forced=self._forced())
+            drafts = [d[:n] for d, n in zip(drafts, kept)]
         feeds = [[] if self.done[b] else self.tokens[b][int(seq[b]):] + drafts[b] for b in range(self.B)]
         start = seq[: self.B].copy()
         self.ckpt.take([b for b in range(self.B) if drafts[b] and not self.fresh[b]])

@@ -95,6 +95,23 @@ def test_ngram_accepts_on_a_repeating_continuation():
     assert sp.ngram_lookup([1, 2, 3, 9, 2, 3, 9, 4, 3], 2, max_ngram=3) == [9, 4]
 
 
+def test_incremental_ngram_index_equals_the_lookup():
+    """NgramIndex (what NgramDrafter runs: O(new tokens) a step) answers what ngram_lookup answers, on contexts
+    that grow by one to five tokens at a time over a small vocabulary (many repeats) and a large one (few)."""
+    rng = np.random.default_rng(0)
+    for vocab, (lo, hi) in ((4, (2, 3)), (50, (1, 2)), (1000, (1, 3))):
+        ctx = rng.integers(0, vocab, 3).tolist()
+        ix = sp.NgramIndex(max_ngram=hi, min_ngram=lo)
+        hits = 0
+        for _ in range(300):
+            k = int(rng.integers(1, 6))
+            want = sp.ngram_lookup(ctx, k, hi, lo)
+            assert ix.lookup(ctx, k) == want, (vocab, len(ctx))
+            hits += bool(want)
+            ctx += rng.integers(0, vocab, int(rng.integers(1, 6))).tolist()
+        assert hits > 0
+
+
 # ---- forced drafters ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("preset", PRESETS)
