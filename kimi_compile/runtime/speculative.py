@@ -21,12 +21,13 @@ state rows) only when their state moved since the last one. A step where no row 
 decode graph (T = 1), so speculation turned off costs nothing.
 
 Per sequence, an `AdaptiveK` controller turns the draft length down (to 0: off, with 1-token probes on shared
-batch steps, spaced further apart after each failed one) when the estimated per-token acceptance makes drafting unprofitable under a cost model of the
-verify forward (`verify_cost`, `token_cost`, in decode steps; their values are to be measured on the GPU:
-bench/speculative_gpu.py). docs/speculative.md has the design, the cache bytes per method and what was not run.
+batch steps, spaced further apart after each failed one) when the estimated per-token acceptance makes drafting
+unprofitable under a cost model of the verify forward (`verify_cost`, `token_cost`, in decode steps, fitted on the
+H200 by bench/speculative_gpu.py); its batch gate drops drafts that do not pay for the whole batch's forward.
+docs/speculative.md has the design, the cache bytes per method and the measurements.
 
 Drafters: `NgramDrafter` (prompt lookup: the latest earlier occurrence of the longest suffix n-gram of the
-prompt and output so far), `ModelDrafter` (any artifact with the same vocabulary, e.g. a tiny one; its own cache
+prompt and output so far, from an incremental index), `ModelDrafter` (any artifact with the same vocabulary, e.g. a tiny one; its own cache
 rolls back the same way). Imports no torch: tensors are handled by duck typing (numpy arrays or torch tensors).
 """
 
