@@ -14,8 +14,6 @@ largest absolute difference; nodes are compared bit for bit.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -109,23 +107,9 @@ def check(art: str) -> dict:
 
 
 def main() -> None:
-    from run_info import run_info
+    from run_info import per_artifact
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("artifacts", nargs="+")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    res = {**run_info("torch", "triton", "fla-core"), "rows": []}
-    for art in a.artifacts:
-        try:
-            row = check(art)
-        except Exception as e:  # noqa: BLE001  (recorded; the next artifact still runs)
-            row = {"artifact": art, "error": f"{type(e).__name__}: {str(e)[:400]}"}
-        print(json.dumps(row), flush=True)
-        res["rows"].append(row)
-    tmp = a.out + ".tmp"
-    Path(tmp).write_text(json.dumps(res, indent=1))
-    os.replace(tmp, a.out)
+    per_artifact(check, ("torch", "triton", "fla-core"), __doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

@@ -10,12 +10,9 @@ nvidia-* wheels (onnxruntime.preload_dlls, or LD_LIBRARY_PATH). Medians of wall-
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -55,24 +52,10 @@ def check(art: str) -> dict:
 
 def main() -> None:
     import onnxruntime as ort
-    from run_info import run_info
+    from run_info import per_artifact
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("artifacts", nargs="+")
-    ap.add_argument("--out", required=True)
-    a = ap.parse_args()
-    res = {**run_info("onnxruntime-gpu", "onnxruntime"), "ort_version": ort.__version__,
-           "available": ort.get_available_providers(), "cases": []}
-    for art in a.artifacts:
-        row = {"artifact": Path(art.rstrip("/")).name.removesuffix(".ort")}
-        try:
-            row.update(check(art))
-        except Exception as e:  # noqa: BLE001  (a failing artifact is recorded, the run goes on)
-            traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
-        res["cases"].append(row)
-        print(json.dumps(row), flush=True)
-    Path(a.out).write_text(json.dumps(res, indent=1))
+    per_artifact(check, ("onnxruntime-gpu", "onnxruntime"), __doc__.split("\n\n")[0],
+                 lambda: {"ort_version": ort.__version__, "available": ort.get_available_providers()})
 
 
 if __name__ == "__main__":

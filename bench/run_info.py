@@ -67,3 +67,29 @@ def run_info(*packages: str) -> dict:
     """The record every result starts with; `packages` are the distributions whose versions matter."""
     return {"command": " ".join([sys.executable, *sys.argv]), "date": datetime.datetime.now().isoformat(),
             **commit(), "device": device(), "versions": versions(*packages)}
+
+
+def per_artifact(check, packages: tuple[str, ...], description: str, extra=None) -> None:
+    """The main of a benchmark over artifacts: `SCRIPT ART [ART ...] --out FILE`; each artifact's `check(art)` row
+    (or its error: the next artifact still runs) printed and collected under "rows" beside run_info(*packages) and
+    `extra()`; the JSON written through a temporary file."""
+    import argparse
+    import json
+    import traceback
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("artifacts", nargs="+")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    res = {**run_info(*packages), **(extra() if extra else {}), "rows": []}
+    for art in a.artifacts:
+        try:
+            row = {"artifact": Path(art.rstrip("/")).name, **check(art)}
+        except Exception as e:  # noqa: BLE001  (recorded; the next artifact still runs)
+            traceback.print_exc()
+            row = {"artifact": Path(art.rstrip("/")).name, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+    tmp = a.out + ".tmp"
+    Path(tmp).write_text(json.dumps(res, indent=1))
+    os.replace(tmp, a.out)
