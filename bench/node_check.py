@@ -1,7 +1,7 @@
 """Every kimi.* node of a built cuda artifact, on real activations: its kernel's outputs beside its reference
-implementation's on the same inputs (one prefill chunk, a few decode steps, then a second prefill continuing the sequences at start > 0: the shape of
-speculative verification and of chunked prefill, --continue tokens each); then the whole
-step with every kernel against the same program with every kimi.* node on its reference. Writes JSON.
+implementation's on the same inputs (one prefill chunk, a few decode steps, then a second prefill continuing the
+sequences at start > 0: the shape of speculative verification and of chunked prefill, --continue tokens each); then
+the whole step with every kernel against the same program with every kimi.* node on its reference. Writes JSON.
 
     python bench/node_check.py ARTIFACT --out $OUT/node_check.json [--prompt 64] [--decode-steps 2] [--batch 2]
 
@@ -137,7 +137,8 @@ def main() -> None:
         logits_ref.append(last.float().cpu())
     if a.cont:
         logits_ref.append(sess.prefill_last(conts, cache).float().cpu())
-    res["whole_step"] = [{"step": i, **compare(k, r), "top1_agree": float((k.argmax(-1) == r.argmax(-1)).float().mean())}
+    res["whole_step"] = [{"step": i, **compare(k, r),
+                          "top1_agree": float((k.argmax(-1) == r.argmax(-1)).float().mean())}
                          for i, (k, r) in enumerate(zip(logits_kernels, logits_ref))]
     res["first_tokens"] = toks
     worst = sorted((max((o.get("rel_err", 0.0) for o in r["outputs"]), default=0.0), r["node"], r["op"], r["phase"])

@@ -27,8 +27,8 @@ H200 by bench/speculative_gpu.py); its batch gate drops drafts that do not pay f
 docs/speculative.md has the design, the cache bytes per method and the measurements.
 
 Drafters: `NgramDrafter` (prompt lookup: the latest earlier occurrence of the longest suffix n-gram of the
-prompt and output so far, from an incremental index), `ModelDrafter` (any artifact with the same vocabulary, e.g. a tiny one; its own cache
-rolls back the same way). Imports no torch: tensors are handled by duck typing (numpy arrays or torch tensors).
+prompt and output so far, from an incremental index), `ModelDrafter` (any artifact with the same vocabulary, e.g. a
+tiny one; its own cache rolls back the same way). Imports no torch: tensors are handled by duck typing (numpy arrays or torch tensors).
 """
 
 from __future__ import annotations
