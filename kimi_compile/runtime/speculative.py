@@ -505,6 +505,7 @@ class SpeculativeBatch:
         self.cache = session.new_cache(self.B, need)
         self.ckpt = RowCheckpoint(session, self.cache)
         self.fresh = np.zeros(self.B, dtype=bool)  # checkpoint row == state row (state did not move since)
+        self.forced = False  # this step runs the prefill graph anyway (a row has a replay backlog)
         self.tokens = [list(p) for p in prompts]
         self.out: list[list[int]] = [[] for _ in prompts]
         self.done = np.zeros(self.B, dtype=bool)
@@ -531,12 +532,6 @@ class SpeculativeBatch:
                     self.stop_at_eos and self.s.eos_token_id is not None and t == self.s.eos_token_id):
                 self.done[b] = True
 
-    def _forced(self) -> bool:
-        """A row has a replay backlog (more than the last emitted token to absorb): the step runs the prefill graph
-        whatever is drafted."""
-        seq = self.cache.seq_lens
-        return any(len(self.tokens[b]) - int(seq[b]) > 1 for b in range(self.B) if not self.done[b])
-
     def _draft_lengths(self) -> list[int]:
         seq = self.cache.seq_lens
         self.ctl.tick()
@@ -546,7 +541,9 @@ class SpeculativeBatch:
         for b in live:
             k = self.ctl.choose(b)
             ks[b] = max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending[b]))
-        ks = self.ctl.gate(ks, live, forced=self._forced())
+        # a replay backlog (more than the last emitted token to absorb) runs the prefill graph whatever is drafted
+        self.forced = any(p > 1 for p in pending.values())
+        ks = self.ctl.gate(ks, live, forced=self.forced)
         for b in live:
             self.st[b]["off_steps"] += ks[b] == 0
             self.st[b]["k_sum"] += ks[b]
@@ -559,7 +556,7 @@ class SpeculativeBatch:
         drafts = [list(d[:k]) for d, k in zip(drafts, ks)]
         if any(len(d) < k for d, k in zip(drafts, ks)):  # the drafter found fewer: gate again on what it gave
             live = [b for b in range(self.B) if not self.done[b]]
-            kept = self.ctl.gate([len(d) for d in drafts], live, forced=self._forced())
+            kept = self.ctl.gate([len(d) for d in drafts], live, forced=self.forced)
             drafts = [d[:n] for d, n in zip(drafts, kept)]
         feeds = [[] if self.done[b] else self.tokens[b][int(seq[b]):] + drafts[b] for b in range(self.B)]
         start = seq[: self.B].copy()
