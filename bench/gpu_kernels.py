@@ -38,6 +38,8 @@ from kimi_compile.plugins.quant.reference import mx_quantize_torch  # noqa: E402
 from kimi_compile.plugins.sparse_mla import triton as mtk  # noqa: E402
 from run_info import run_info  # noqa: E402
 
+from bench import baselines as bl  # noqa: E402  (third-party kernels measured beside ours: bench/baselines)
+
 DEV = "cuda"
 RESULTS: dict = {}
 ROWS: list = []
@@ -146,6 +148,69 @@ def _strategies(codes, heads):
     return list(dict.fromkeys([itk.strategy_for(codes, heads), "triton"]))
 
 
+_SELECT_DEFAULT = (itk.SORT_SELECT, itk.FINAL_WARPS)
+
+
+def _select_variant(name: str) -> None:
+    """The indexer's final selection for one row of the benchmark: "default" (the module's settings), "bisect"
+    (unsorted bisection, then torch sorts in indexer_topk), "sortW" (in-kernel sort with W warps)."""
+    if name == "default":
+        itk.SORT_SELECT, itk.FINAL_WARPS = _SELECT_DEFAULT
+    elif name == "bisect":
+        itk.SORT_SELECT, itk.FINAL_WARPS = False, 8
+    elif name.startswith("sort"):
+        itk.SORT_SELECT, itk.FINAL_WARPS = True, int(name[4:] or 8)
+    else:
+        raise ValueError(f"--idx-select: unknown variant {name!r} (bisect, sort8, sort16)")
+
+
+def _topk_overlap(idx, full_cpu, lens, topk) -> float:
+    """Mean fraction of the exact fp32 top-k positions found in idx [B, topk] (positions >= 0)."""
+    got = []
+    for b, n in enumerate(lens):
+        k = min(n, topk)
+        exact = set(torch.topk(full_cpu[b, :n], k).indices.tolist())
+        found = set(int(x) for x in idx[b].cpu().tolist() if x >= 0)
+        got.append(len(exact & found) / k)
+    return sum(got) / len(got)
+
+
+def _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, lens, args):
+    """DeepGEMM's paged FP8 MQA logits (+ torch.topk) on the same cache, converted once (bench/baselines/deepgemm.py:
+    q and K requantized to its per-token scale, so compare top-k overlap with the exact scores, not bits)."""
+    why = bl.unavailable("deepgemm")
+    if why:
+        ROWS.append({"op": "indexer", "case": case, "variant": "DeepGEMM fp8_paged_mqa_logits", "error": why})
+        log("deepgemm:", why)
+        return
+    try:
+        kv = bl.to_deepgemm_cache(codes, scales)
+        q8, w8 = bl.to_deepgemm_q(q[:, None], w[:, None])
+        meta = bl.deepgemm_plan(cl)
+        buf = torch.empty(q.shape[0], bl.lib("deepgemm").deepgemm_logits_stride(L), device=DEV)
+        pos = torch.arange(L, device=DEV)
+
+        def logits():
+            return bl.deepgemm_paged_mqa_logits(q8, kv, w8, cl, bt, meta, L, out=buf)
+
+        def with_topk():  # positions past each row's length masked (the kernel leaves them stale), then top-k
+            x = logits()[:, :L].masked_fill(pos[None] >= cl[:, None], float("-inf"))
+            return torch.topk(x, topk, dim=-1)
+
+        chk = {"topk_overlap_with_exact": _topk_overlap(with_topk().indices, full_cpu, lens, topk)}
+        bytes_ = int(cl.sum()) * 132 + q.numel() + q.shape[0] * topk * 8
+        record("indexer", case, "DeepGEMM fp8_paged_mqa_logits (logits only, schedule precomputed)", shape, bytes_,
+               2 * int(cl.sum()) * q.shape[1] * 128, logits, reps=args.reps, check=chk,
+               note="their per-token-scale FP8 K (132 B/token, requantized from ours) and E4M3 q")
+        record("indexer", case, "DeepGEMM fp8_paged_mqa_logits + mask + torch.topk", shape, bytes_,
+               2 * int(cl.sum()) * q.shape[1] * 128, with_topk, reps=args.reps, check=chk)
+        del kv
+    except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
+        ROWS.append({"op": "indexer", "case": case, "variant": "DeepGEMM fp8_paged_mqa_logits",
+                     "error": f"{type(e).__name__}: {e}"[:500]})
+        log("deepgemm failed:", traceback.format_exc()[-800:])
+
+
 def indexer_section(args):
     H, D, topk, bs = 64, 128, 2048, 64
     for B, L in ((32, 65536), (1, 131072)):
@@ -179,7 +244,9 @@ def indexer_section(args):
         full_cpu = full.cpu()
         del full
         lens = [int(x) for x in cl.cpu()]
-        for strat in _strategies(codes, H):
+        for strat, sel in [(st, "default") for st in _strategies(codes, H)] + \
+                [(itk.strategy_for(codes, H), v) for v in args.idx_select.split(",") if v]:
+            _select_variant(sel)
             try:
                 oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
                 os_ = torch.full((B, topk), float("nan"), device=DEV)
@@ -191,12 +258,20 @@ def indexer_section(args):
                 chk = iref.check_topk(oi, os_, full_cpu, lens, topk)
             except Exception as e:
                 chk = {"ok": False, "error": str(e)[:300]}
-            record("indexer", case, f"ours {strat} (indexer_topk_rows: unsorted int32)", shape, bytes_, flops,
+            label = f"ours {strat}" + ("" if sel == "default" else f" select={sel}")
+            record("indexer", case, f"{label} (indexer_topk_rows: int32)", shape, bytes_, flops,
                    lambda s=strat: itk.indexer_topk_rows(q, w, codes, scales, bt, rows, cl, topk, strategy=s),
-                   check=chk, reps=args.reps)
+                   check=chk, reps=args.reps, note=f"selection sorted in the kernel: {itk.sorts_in_kernel(topk)}")
+            if sel != "default":
+                record("indexer", case, f"{label} (indexer_topk: the op's contract)", shape, bytes_, flops,
+                       lambda: itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk),
+                       reps=args.reps)
+                continue
             record("indexer", case, f"ours {strat} score kernel only", shape, bytes_, flops,
                    lambda s=strat: itk.indexer_scores(q, w, codes, scales, bt, rows, cl, topk, strategy=s),
                    reps=args.reps, note="stage timing: scores + group maxima, no selection")
+        _select_variant("default")
+        _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, lens, args)
         try:
             ci, cs = itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk)
             torch.cuda.synchronize()
@@ -287,6 +362,34 @@ def mla_eager(q, kc, ks, kr, bt, idx, sm):
     return torch.bmm(p.bfloat16(), c.bfloat16())
 
 
+def _flashmla_rows(case, shape, q4, kc, ks, kr, bt, idx3, sm, ref, bytes_, flops, args):
+    """FlashMLA's sparse FP8 decode on the same latent cache converted once to its 656-byte rows (exact: E8M0 scales
+    as fp32) and the same selection as global rows; its split schedule is computed once, as a model does per step."""
+    why = bl.unavailable("flashmla")
+    if why:
+        ROWS.append({"op": "sparse_mla", "case": case, "variant": "FlashMLA sparse FP8 decode", "error": why})
+        log("flashmla:", why)
+        return
+    try:
+        B, _, H, _ = q4.shape
+        kv = bl.to_flashmla_cache(kc, ks, kr)
+        rows = bl.to_flashmla_indices(idx3, bt, kc.shape[1])
+        plan = bl.flashmla_plan(B, 1, H, idx3.shape[-1])
+        out = torch.empty(B, 1, H, 512, dtype=torch.bfloat16, device=DEV)
+        fn = lambda: bl.flashmla_sparse_decode(q4, kv, rows, sm, plan, out=out)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        err = rel(out[:, 0], ref)
+        record("sparse_mla", case, "FlashMLA sparse FP8 decode (schedule precomputed)", shape,
+               bytes_ + B * idx3.shape[-1] * 12, flops, fn, reps=args.reps, check={"ok": err < 1e-2, "rel_err": err},
+               note="656-byte rows (fp32 tile scales); the same attention as ours")
+        del kv
+    except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
+        ROWS.append({"op": "sparse_mla", "case": case, "variant": "FlashMLA sparse FP8 decode",
+                     "error": f"{type(e).__name__}: {e}"[:500]})
+        log("flashmla failed:", traceback.format_exc()[-800:])
+
+
 def mla_section(args):
     H, topk, bs, ctx = 128, 2048, 64, 16384
     for B in (32, 1):
@@ -319,6 +422,7 @@ def mla_section(args):
             chk = {"ok": False, "error": str(e)[:300]}
         record("sparse_mla", case, "ours (two passes)", shape, bytes_, flops,
                lambda: mtk.sparse_mla(q4, kc, ks, kr, bt, idx3, sm), check=chk, reps=args.reps)
+        _flashmla_rows(case, shape, q4, kc, ks, kr, bt, idx3, sm, ref, bytes_, flops, args)
         if args.quick:
             del kc, ks, kr
             torch.cuda.empty_cache()
@@ -410,6 +514,50 @@ def kda_decode_section(args):
 
 
 # ------------------------------------------------------------------ KDA prefill
+def _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T):
+    """The KDA core on the same post-convolution inputs: fla's chunk_kda with its in-kernel L2 norm, safe gate and
+    beta sigmoid beside FlashKDA's fwd (bench/baselines/flashkda.py), which does the same work; fp32 final states."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    from fla.ops.kda import chunk_kda
+
+    cq, ck, cv = (causal_conv1d(x, wt, activation="silu")[0].view(1, T, H, D) for x, wt in
+                  ((xq, wq), (xk, wk), (xv, wv)))
+    g = f.view(1, T, H, D)
+
+    def fla_core():
+        return chunk_kda(cq, ck, cv, g, b, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias,
+                         use_beta_sigmoid_in_kernel=True)
+
+    record("kda_prefill", case, "fla chunk_kda (in-kernel l2/gate/beta), post-conv inputs", shape, core_bytes, flops,
+           fla_core, graph=False, reps=rp)
+    why = bl.unavailable("flashkda")
+    if why:
+        ROWS.append({"op": "kda_prefill", "case": case, "variant": "FlashKDA fwd", "error": why})
+        log("flashkda:", why)
+        return
+    try:
+        final = torch.empty(1, H, D, D, device=DEV)
+        out = torch.empty_like(cv)
+        ws = torch.empty(bl.flashkda.flashkda_workspace_bytes(T, H), dtype=torch.uint8, device=DEV)
+
+        def fkda():
+            return bl.flashkda_prefill(cq, ck, cv, g, b, D ** -0.5, A_log, dt_bias.view(H, D), -5.0,
+                                       final_state=final, out=out, workspace=ws)
+
+        fo, fS = fla_core()
+        fkda()
+        torch.cuda.synchronize()
+        chk = {"rel_err_out_vs_fla": rel(out.float(), fo.float()),
+               "rel_err_state_vs_fla": rel(final.transpose(-1, -2).float(), fS.float())}
+        record("kda_prefill", case, "FlashKDA fwd (in-kernel l2/gate/beta), post-conv inputs", shape, core_bytes,
+               flops, fkda, graph=False, reps=rp, check=chk)
+    except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
+        ROWS.append({"op": "kda_prefill", "case": case, "variant": "FlashKDA fwd",
+                     "error": f"{type(e).__name__}: {e}"[:500]})
+        log("flashkda failed:", traceback.format_exc()[-800:])
+
+
 def kda_prefill_section(args):
     D, T = 128, 32768
     try:
@@ -461,6 +609,7 @@ def kda_prefill_section(args):
                shape, core_bytes + io_bytes, flops, fla_pipeline, graph=False, reps=rp)
         record("kda_prefill", case, "ours: fused pre + fla chunk_kda (in-kernel gate) + fused post", shape,
                core_bytes + io_bytes, flops, ours, graph=False, reps=rp, check=chk)
+        _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T)
         record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 4 + T * H * D * (6 + 4), 0,
                lambda: ktk.kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias), graph=False, reps=rp)
         if H == 12:
@@ -532,6 +681,7 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="ours only: no eager / torch.compile baselines")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
+    ap.add_argument("--idx-select", default="", help="extra indexer selection variants to time (bisect,sort8,sort16)")
     args = ap.parse_args()
     RESULTS.update(run_info("torch", "triton", "fla-core", "flash-linear-attention"))
     RESULTS["timing"] = "CUDA events, median over reps; 256 MiB L2 flush before each rep; graph = CUDA graph replay"

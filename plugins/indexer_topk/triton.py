@@ -56,6 +56,8 @@ import os
 
 import torch
 
+from kimi_compile.onnx_body import MASKED  # the op's score where the index is -1
+
 try:  # triton is optional: importing this module on a CPU machine without it must work
     import triton
     import triton.language as tl
@@ -68,6 +70,8 @@ SCORE_WARPS = 4  # the Triton score kernel
 SCORE_STAGES = 3  # its software pipeline depth (tl.range): next page's loads in flight while this one computes
 PROGS_PER_SM = 4  # score programs per SM over all rows
 CAND_WARPS, CAND_PROGS_PER_SM, FINAL_WARPS = 4, 2, 8  # the two select kernels
+SORT_SELECT = True  # the final kernel sorts its selection (the op's order) for topk up to SORT_MAX
+SORT_MAX = 8192
 
 if triton is not None:
 
@@ -254,8 +258,8 @@ if triton is not None:
                 sel = m2 & ((k > tk) | ((k == tk) & ((p <= plo) | alleq)))
                 si = sel.to(tl.int32)
                 slot = done + tl.cumsum(si, 0) - 1
-                tl.store(OUT_I + obase + slot, p, mask=sel)
-                tl.store(OUT_S + obase + slot, _unkey(k), mask=sel)
+                tl.store(OUT_I + obase + slot, p, mask=si != 0)
+                tl.store(OUT_S + obase + slot, _unkey(k), mask=si != 0)
                 done += tl.sum(si, 0)
 
     @triton.jit
@@ -319,8 +323,27 @@ if triton is not None:
         tl.store(CP + cbase + slot, pos, mask=mk)
 
     @triton.jit
-    def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, CH: tl.constexpr, KP2: tl.constexpr):
-        # one program per row: exact selection among the candidates; resets the counter
+    def _pack(k, p):
+        # int64 order key: the score's key in the high word, 2^32 - 1 - position in the low word, so a descending
+        # sort orders by score (descending), then position (ascending)
+        return (k.to(tl.int64) << 32) | (0xFFFFFFFF - p.to(tl.int64))
+
+    @triton.jit
+    def _store_sorted(v, n, OUT_I, OUT_S, obase, N: tl.constexpr):
+        # the first n of the N packed keys v, sorted descending, as (position, score) slots 0 .. n - 1
+        v = tl.sort(v, descending=True)
+        a = tl.arange(0, N)
+        keep = a < n
+        tl.store(OUT_I + obase + a, (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=keep)
+        tl.store(OUT_S + obase + a, _unkey((v >> 32).to(tl.int32)), mask=keep)
+
+    @triton.jit
+    def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, pad_score, CH: tl.constexpr,
+                      KP2: tl.constexpr, SORT: tl.constexpr):
+        # one program per row: exact selection among the candidates; resets the counter. SORT: the selected slots
+        # come out sorted by score (descending), then position (ascending): up to CH candidates are sorted in
+        # registers and the first keff kept; past CH the bisection selects and the KP2 <= CH selected slots are
+        # read back and sorted. Slots keff .. topk - 1 get -1 and pad_score.
         r = tl.program_id(0)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
@@ -328,7 +351,7 @@ if triton is not None:
         kk = tl.arange(0, KP2)
         pm = (kk >= keff) & (kk < topk)
         tl.store(OUT_I + obase + kk, tl.full([KP2], -1, tl.int32), mask=pm)
-        tl.store(OUT_S + obase + kk, tl.full([KP2], float("-inf"), tl.float32), mask=pm)
+        tl.store(OUT_S + obase + kk, tl.full([KP2], pad_score, tl.float32), mask=pm)
         base = r.to(tl.int64) * cap
         ar = tl.arange(0, CH)  # the first CH candidate slots, loaded while the counter is read
         xr = tl.load(CS + base + ar, mask=ar < cap, other=0.0)
@@ -336,9 +359,34 @@ if triton is not None:
         nc = tl.atomic_xchg(CNT + r, 0)  # read and reset (the workspace cleans itself)
         target = tl.minimum(keff, nc)
         if nc <= CH:
-            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
+            if SORT:
+                _store_sorted(tl.where(ar < nc, _pack(_key(xr), pr), -9223372036854775808), target, OUT_I, OUT_S,
+                              obase, CH)
+            else:
+                _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
         else:
             _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, False, CH)
+            if SORT:
+                tl.debug_barrier()  # the slots this program just wrote, read back by other threads
+                m = kk < target
+                si = tl.load(OUT_I + obase + kk, mask=m, other=0)
+                ss = tl.load(OUT_S + obase + kk, mask=m, other=0.0)
+                tl.debug_barrier()
+                _store_sorted(tl.where(m, _pack(_key(ss), si), -9223372036854775808), target, OUT_I, OUT_S, obase,
+                              KP2)
+
+
+    @triton.jit
+    def _rows_kernel(START, LENGTHS, ROW_SEQ, ROW_LEN, R, T, BLK: tl.constexpr):
+        # rows r = b * T + t: ROW_SEQ = b, ROW_LEN = clamp(min(start[b] + t + 1, start[b] + lengths[b]), 0)
+        r = tl.program_id(0) * BLK + tl.arange(0, BLK)
+        m = r < R
+        b = r // T
+        st = tl.load(START + b, mask=m, other=0).to(tl.int64)
+        ln = tl.load(LENGTHS + b, mask=m, other=0).to(tl.int64)
+        L = tl.maximum(tl.minimum(st + (r % T) + 1, st + ln), 0)
+        tl.store(ROW_SEQ + r, b.to(tl.int32), mask=m)
+        tl.store(ROW_LEN + r, L.to(tl.int32), mask=m)
 
 
 _WS: dict = {}
@@ -350,7 +398,8 @@ def _interpreting() -> bool:
 
 
 def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The GPU's SM count (the interpreter on CPU tensors takes an H200's 132, so launches are shaped as there)."""
+    return 132 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_ok(k_codes: torch.Tensor) -> bool:
@@ -496,9 +545,14 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     return ws, G, ngcap, nsm
 
 
-def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int):
+def sorts_in_kernel(topk: int) -> bool:
+    """True when the final kernel returns the selection sorted (score descending, then position ascending)."""
+    return SORT_SELECT and triton.next_power_of_2(topk) <= SORT_MAX
+
+
+def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int, pad_score: float):
     """Stages 2 and 3: `_cand_kernel` (threshold from the group maxima + candidate compaction), then `_final_kernel`
-    (exact selection among the candidates)."""
+    (exact selection among the candidates, sorted when `sorts_in_kernel(topk)`)."""
     sc, gm, cs, cp, cnt = ws
     R = row_len.shape[0]
     blk = 2048
@@ -507,9 +561,22 @@ def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, 
     ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
     _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
                                                 NGB=ngb, BLK=blk, num_warps=CAND_WARPS)
-    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, CH=4096,
-                        KP2=triton.next_power_of_2(topk), num_warps=FINAL_WARPS)
+    kp2 = triton.next_power_of_2(topk)
+    sort = sorts_in_kernel(topk)
+    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, pad_score, CH=max(4096, kp2) if sort else 4096,
+                        KP2=kp2, SORT=sort, num_warps=FINAL_WARPS)
     return out_i, out_s
+
+
+def _row_setup(start: torch.Tensor, lengths: torch.Tensor, B: int, T: int, dev):
+    """(row_seq, row_len) [B * T] int32 of the op's rows r = b * T + t: the sequence b and the visible length
+    clamp(min(start[b] + t + 1, start[b] + lengths[b]), 0), by one kernel (buffers cached per shape)."""
+    key = ("rows", str(dev), B, T)
+    if key not in _WS:
+        _WS[key] = torch.empty(2, B * T, dtype=torch.int32, device=dev)
+    rows = _WS[key]
+    _rows_kernel[(triton.cdiv(B * T, 1024),)](start, lengths, rows[0], rows[1], B * T, T, BLK=1024, num_warps=4)
+    return rows[0], rows[1]
 
 
 def _check(reason: str | None) -> None:
@@ -527,20 +594,25 @@ def indexer_topk_rows(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, sca
                       strategy: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None, **unknown):
     """The three stages on independent rows: q [R, H, 128] bf16, w [R, H], block_table int32 [S, MB] contiguous,
     row_seq [R] int32 (the sequence of each row), row_len [R] int32 (row r sees positions [0, row_len[r]) of its
-    sequence) -> (indices [R, topk] int32, scores [R, topk] fp32): the min(topk, row_len) selected positions in no
-    particular order, then -1 / -inf. out: optional preallocated (indices, scores), written in place."""
+    sequence) -> (indices [R, topk] int32, scores [R, topk] fp32): the min(topk, row_len) selected positions, sorted
+    by score (descending) then position (ascending) when `sorts_in_kernel(topk)`, else in no particular order; then
+    -1 / -inf. out: optional preallocated (indices, scores), written in place."""
     _no_unknown("indexer_topk_rows", unknown, "strategy, out")
     if q.dim() != 3:
         raise ValueError(f"indexer_topk_rows: q must be [rows, H, {HEAD_DIM}], got {tuple(q.shape)}")
     _check(_unsupported(q, w, (torch.bfloat16,), codes, scales, block_table, topk, strategy))
     if block_table.dtype != torch.int32 or not block_table.is_contiguous():
         raise ValueError("indexer_topk_rows: block_table must be a contiguous int32 tensor")
+    return _rows(q, w, codes, scales, block_table, row_seq, row_len, topk, strategy, out, float("-inf"))
+
+
+def _rows(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strategy: str, out, pad_score: float):
     ws, G, ngcap, nsm = _scores(q, w, codes, scales, block_table, row_seq, row_len, topk, strategy)
     R = q.shape[0]
     if out is None:
         out = (torch.empty(R, topk, dtype=torch.int32, device=q.device),
                torch.empty(R, topk, dtype=torch.float32, device=q.device))
-    return _select(ws, row_len, out[0], out[1], ws[0].shape[1], ngcap, topk, G, nsm)
+    return _select(ws, row_len, out[0], out[1], ws[0].shape[1], ngcap, topk, G, nsm, pad_score)
 
 
 def indexer_scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, *, strategy: str = "auto"):
@@ -562,15 +634,26 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
     _no_unknown("indexer_topk", unknown, "strategy, out")
     _check(unsupported(q, w, codes, scales, block_table, start, lengths, topk, strategy))
     B, T, H, D = q.shape
+    R = B * T
     dev = q.device
-    st = start.to(device=dev, dtype=torch.int64)
-    ln = lengths.to(device=dev, dtype=torch.int64)
-    t = torch.arange(T, device=dev, dtype=torch.int64)
-    row_len = torch.minimum(st[:, None] + t[None, :] + 1, (st + ln)[:, None]).clamp_min(0).to(torch.int32).reshape(-1)
-    row_seq = torch.arange(B * T, device=dev, dtype=torch.int32) // T
-    bt = block_table.to(torch.int32).contiguous()
-    idx, sc = indexer_topk_rows(q.reshape(B * T, H, D).to(torch.bfloat16), w.reshape(B * T, H), codes, scales, bt,
-                                row_seq, row_len, topk, strategy=strategy)
+    row_seq, row_len = _row_setup(start, lengths, B, T, dev)
+    bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else \
+        block_table.to(torch.int32).contiguous()
+    q2, w2 = q.reshape(R, H, D).to(torch.bfloat16), w.reshape(R, H)
+    if sorts_in_kernel(topk):  # the final kernel writes the contract's order, dtypes and padding
+        if out is None:
+            out = (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
+                   torch.empty(B, T, topk, dtype=torch.float32, device=dev))
+        if all(o.is_contiguous() and o.shape == (B, T, topk) for o in out) and out[0].dtype == torch.int64 \
+                and out[1].dtype == torch.float32:
+            _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy,
+                  (out[0].view(R, topk), out[1].view(R, topk)), MASKED)
+            return out
+        idx, sc = _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, None, MASKED)
+        out[0].copy_(idx.view(B, T, topk))
+        out[1].copy_(sc.view(B, T, topk))
+        return out
+    idx, sc = _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, None, float("-inf"))
     pos = idx.long()
     valid = pos >= 0
     s = torch.where(valid, sc, torch.full_like(sc, float("-inf")))
@@ -578,7 +661,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
     o2 = torch.argsort(s.gather(-1, o1), dim=-1, descending=True, stable=True)
     order = o1.gather(-1, o2)
     pos, s, valid = pos.gather(-1, order), s.gather(-1, order), valid.gather(-1, order)
-    s = torch.where(valid, s, torch.full_like(s, -1e30))
+    s = torch.where(valid, s, torch.full_like(s, MASKED))
     pos = torch.where(valid, pos, torch.full_like(pos, -1))
     if out is None:
         return pos.reshape(B, T, topk), s.reshape(B, T, topk)
