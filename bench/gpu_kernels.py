@@ -148,22 +148,6 @@ def _strategies(codes, heads):
     return list(dict.fromkeys([itk.strategy_for(codes, heads), "triton"]))
 
 
-_SELECT_DEFAULT = (itk.SORT_SELECT, itk.FINAL_WARPS)
-
-
-def _select_variant(name: str) -> None:
-    """The indexer's final selection for one row of the benchmark: "default" (the module's settings), "bisect"
-    (unsorted bisection, then torch sorts in indexer_topk), "sortW" (in-kernel sort with W warps)."""
-    if name == "default":
-        itk.SORT_SELECT, itk.FINAL_WARPS = _SELECT_DEFAULT
-    elif name == "bisect":
-        itk.SORT_SELECT, itk.FINAL_WARPS = False, 8
-    elif name.startswith("sort"):
-        itk.SORT_SELECT, itk.FINAL_WARPS = True, int(name[4:] or 8)
-    else:
-        raise ValueError(f"--idx-select: unknown variant {name!r} (bisect, sort8, sort16)")
-
-
 def _topk_overlap(idx, full_cpu, lens, topk) -> float:
     """Mean fraction of the exact fp32 top-k positions found in idx [B, topk] (positions >= 0)."""
     got = []
@@ -244,9 +228,7 @@ def indexer_section(args):
         full_cpu = full.cpu()
         del full
         lens = [int(x) for x in cl.cpu()]
-        for strat, sel in [(st, "default") for st in _strategies(codes, H)] + \
-                [(itk.strategy_for(codes, H), v) for v in args.idx_select.split(",") if v]:
-            _select_variant(sel)
+        for strat in _strategies(codes, H):
             try:
                 oi = torch.full((B, topk), -7, dtype=torch.int32, device=DEV)
                 os_ = torch.full((B, topk), float("nan"), device=DEV)
@@ -258,19 +240,12 @@ def indexer_section(args):
                 chk = iref.check_topk(oi, os_, full_cpu, lens, topk)
             except Exception as e:
                 chk = {"ok": False, "error": str(e)[:300]}
-            label = f"ours {strat}" + ("" if sel == "default" else f" select={sel}")
-            record("indexer", case, f"{label} (indexer_topk_rows: int32)", shape, bytes_, flops,
+            record("indexer", case, f"ours {strat} (indexer_topk_rows: unsorted int32)", shape, bytes_, flops,
                    lambda s=strat: itk.indexer_topk_rows(q, w, codes, scales, bt, rows, cl, topk, strategy=s),
-                   check=chk, reps=args.reps, note=f"selection sorted in the kernel: {itk.sorts_in_kernel(topk)}")
-            if sel != "default":
-                record("indexer", case, f"{label} (indexer_topk: the op's contract)", shape, bytes_, flops,
-                       lambda: itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk),
-                       reps=args.reps)
-                continue
+                   check=chk, reps=args.reps)
             record("indexer", case, f"ours {strat} score kernel only", shape, bytes_, flops,
                    lambda s=strat: itk.indexer_scores(q, w, codes, scales, bt, rows, cl, topk, strategy=s),
                    reps=args.reps, note="stage timing: scores + group maxima, no selection")
-        _select_variant("default")
         _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, lens, args)
         try:
             ci, cs = itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk)
@@ -278,9 +253,9 @@ def indexer_section(args):
             chk = iref.check_topk(ci[:, 0], cs[:, 0], full_cpu, lens, topk)
         except Exception as e:
             chk = {"ok": False, "error": str(e)[:300]}
-        record("indexer", case, "ours indexer_topk (the op's contract: rows set-up, kernels, sort)", shape, bytes_,
-               flops, lambda: itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk),
-               check=chk, reps=args.reps, note="minus the indexer_topk_rows row of the same strategy: the sort's cost")
+        record("indexer", case, "ours indexer_topk (the op's contract: rows set-up, kernels, rank order)", shape,
+               bytes_, flops, lambda: itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk),
+               check=chk, reps=args.reps, note="minus the indexer_topk_rows row: the row set-up and rank kernels' cost")
         if args.quick:
             del codes, scales
             torch.cuda.empty_cache()
@@ -681,7 +656,6 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="ours only: no eager / torch.compile baselines")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
-    ap.add_argument("--idx-select", default="", help="extra indexer selection variants to time (bisect,sort8,sort16)")
     args = ap.parse_args()
     RESULTS.update(run_info("torch", "triton", "fla-core", "flash-linear-attention"))
     RESULTS["timing"] = "CUDA events, median over reps; 256 MiB L2 flush before each rep; graph = CUDA graph replay"

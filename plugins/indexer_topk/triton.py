@@ -70,8 +70,7 @@ SCORE_WARPS = 4  # the Triton score kernel
 SCORE_STAGES = 3  # its software pipeline depth (tl.range): next page's loads in flight while this one computes
 PROGS_PER_SM = 4  # score programs per SM over all rows
 CAND_WARPS, CAND_PROGS_PER_SM, FINAL_WARPS = 4, 2, 8  # the two select kernels
-SORT_SELECT = True  # the final kernel sorts its selection (the op's order) for topk up to SORT_MAX
-SORT_MAX = 8192
+RANK_BLK, RANK_CHK = 128, 32  # the rank kernel: slots per program, keys compared per step (no spills at 4 warps)
 
 if triton is not None:
 
@@ -246,8 +245,8 @@ if triton is not None:
             sel = m & ((kr > tk) | ((kr == tk) & ((pr <= plo) | alleq)))
             si = sel.to(tl.int32)
             slot = tl.cumsum(si, 0) - 1
-            tl.store(OUT_I + obase + slot, pr, mask=sel)
-            tl.store(OUT_S + obase + slot, _unkey(kr), mask=sel)
+            tl.store(OUT_I + obase + slot, pr, mask=si != 0)
+            tl.store(OUT_S + obase + slot, _unkey(kr), mask=si != 0)
         else:
             done = nc * 0
             for i in range(0, nc, CH):
@@ -324,26 +323,38 @@ if triton is not None:
 
     @triton.jit
     def _pack(k, p):
-        # int64 order key: the score's key in the high word, 2^32 - 1 - position in the low word, so a descending
-        # sort orders by score (descending), then position (ascending)
+        # int64 order key: the score's key in the high word, 2^32 - 1 - position in the low word: distinct per
+        # position, larger = earlier in the op's order (score descending, then position ascending)
         return (k.to(tl.int64) << 32) | (0xFFFFFFFF - p.to(tl.int64))
 
     @triton.jit
-    def _store_sorted(v, n, OUT_I, OUT_S, obase, N: tl.constexpr):
-        # the first n of the N packed keys v, sorted descending, as (position, score) slots 0 .. n - 1
-        v = tl.sort(v, descending=True)
-        a = tl.arange(0, N)
-        keep = a < n
-        tl.store(OUT_I + obase + a, (0xFFFFFFFF - (v & 0xFFFFFFFF)).to(tl.int32), mask=keep)
-        tl.store(OUT_S + obase + a, _unkey((v >> 32).to(tl.int32)), mask=keep)
+    def _rank_kernel(SEL_I, SEL_S, OUT_I, OUT_S, topk, BLK: tl.constexpr, CHK: tl.constexpr):
+        # grid (rows, slot blocks of BLK): each selected slot moves to its rank in the op's order (the number of
+        # the row's selected keys before it, by _pack); unselected slots (-1) stay where they are (past the last
+        # selected one)
+        r = tl.program_id(0)
+        base = r.to(tl.int64) * topk
+        jj = tl.program_id(1) * BLK + tl.arange(0, BLK)
+        mj = jj < topk
+        pj = tl.load(SEL_I + base + jj, mask=mj, other=-1)
+        sj = tl.load(SEL_S + base + jj, mask=mj, other=0.0)
+        kj = _pack(_key(sj), pj)
+        rank = tl.zeros([BLK], tl.int32)
+        for c in range(0, topk, CHK):
+            ii = c + tl.arange(0, CHK)
+            pi = tl.load(SEL_I + base + ii, mask=ii < topk, other=-1)
+            si = tl.load(SEL_S + base + ii, mask=ii < topk, other=0.0)
+            ki = tl.where(pi >= 0, _pack(_key(si), pi), -9223372036854775808)
+            rank += tl.sum((ki[None, :] > kj[:, None]).to(tl.int32), 1)
+        dest = tl.where(pj >= 0, rank, jj)
+        tl.store(OUT_I + base + dest, pj, mask=mj)
+        tl.store(OUT_S + base + dest, sj, mask=mj)
 
     @triton.jit
     def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, pad_score, CH: tl.constexpr,
-                      KP2: tl.constexpr, SORT: tl.constexpr):
-        # one program per row: exact selection among the candidates; resets the counter. SORT: the selected slots
-        # come out sorted by score (descending), then position (ascending): up to CH candidates are sorted in
-        # registers and the first keff kept; past CH the bisection selects and the KP2 <= CH selected slots are
-        # read back and sorted. Slots keff .. topk - 1 get -1 and pad_score.
+                      KP2: tl.constexpr):
+        # one program per row: exact selection among the candidates; resets the counter. Slots keff .. topk - 1
+        # get -1 and pad_score
         r = tl.program_id(0)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
@@ -359,21 +370,9 @@ if triton is not None:
         nc = tl.atomic_xchg(CNT + r, 0)  # read and reset (the workspace cleans itself)
         target = tl.minimum(keff, nc)
         if nc <= CH:
-            if SORT:
-                _store_sorted(tl.where(ar < nc, _pack(_key(xr), pr), -9223372036854775808), target, OUT_I, OUT_S,
-                              obase, CH)
-            else:
-                _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
+            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
         else:
             _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, False, CH)
-            if SORT:
-                tl.debug_barrier()  # the slots this program just wrote, read back by other threads
-                m = kk < target
-                si = tl.load(OUT_I + obase + kk, mask=m, other=0)
-                ss = tl.load(OUT_S + obase + kk, mask=m, other=0.0)
-                tl.debug_barrier()
-                _store_sorted(tl.where(m, _pack(_key(ss), si), -9223372036854775808), target, OUT_I, OUT_S, obase,
-                              KP2)
 
 
     @triton.jit
@@ -545,14 +544,9 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     return ws, G, ngcap, nsm
 
 
-def sorts_in_kernel(topk: int) -> bool:
-    """True when the final kernel returns the selection sorted (score descending, then position ascending)."""
-    return SORT_SELECT and triton.next_power_of_2(topk) <= SORT_MAX
-
-
 def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int, pad_score: float):
     """Stages 2 and 3: `_cand_kernel` (threshold from the group maxima + candidate compaction), then `_final_kernel`
-    (exact selection among the candidates, sorted when `sorts_in_kernel(topk)`)."""
+    (exact selection among the candidates, in no particular order; slots past min(L, topk): -1 and pad_score)."""
     sc, gm, cs, cp, cnt = ws
     R = row_len.shape[0]
     blk = 2048
@@ -561,10 +555,8 @@ def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, 
     ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
     _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
                                                 NGB=ngb, BLK=blk, num_warps=CAND_WARPS)
-    kp2 = triton.next_power_of_2(topk)
-    sort = sorts_in_kernel(topk)
-    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, pad_score, CH=max(4096, kp2) if sort else 4096,
-                        KP2=kp2, SORT=sort, num_warps=FINAL_WARPS)
+    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, pad_score, CH=4096,
+                        KP2=triton.next_power_of_2(topk), num_warps=FINAL_WARPS)
     return out_i, out_s
 
 
@@ -594,9 +586,8 @@ def indexer_topk_rows(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, sca
                       strategy: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None, **unknown):
     """The three stages on independent rows: q [R, H, 128] bf16, w [R, H], block_table int32 [S, MB] contiguous,
     row_seq [R] int32 (the sequence of each row), row_len [R] int32 (row r sees positions [0, row_len[r]) of its
-    sequence) -> (indices [R, topk] int32, scores [R, topk] fp32): the min(topk, row_len) selected positions, sorted
-    by score (descending) then position (ascending) when `sorts_in_kernel(topk)`, else in no particular order; then
-    -1 / -inf. out: optional preallocated (indices, scores), written in place."""
+    sequence) -> (indices [R, topk] int32, scores [R, topk] fp32): the min(topk, row_len) selected positions in no
+    particular order, then -1 / -inf. out: optional preallocated (indices, scores), written in place."""
     _no_unknown("indexer_topk_rows", unknown, "strategy, out")
     if q.dim() != 3:
         raise ValueError(f"indexer_topk_rows: q must be [rows, H, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -640,31 +631,22 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
     bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else \
         block_table.to(torch.int32).contiguous()
     q2, w2 = q.reshape(R, H, D).to(torch.bfloat16), w.reshape(R, H)
-    if sorts_in_kernel(topk):  # the final kernel writes the contract's order, dtypes and padding
-        if out is None:
-            out = (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
-                   torch.empty(B, T, topk, dtype=torch.float32, device=dev))
-        if all(o.is_contiguous() and o.shape == (B, T, topk) for o in out) and out[0].dtype == torch.int64 \
-                and out[1].dtype == torch.float32:
-            _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy,
-                  (out[0].view(R, topk), out[1].view(R, topk)), MASKED)
-            return out
-        idx, sc = _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, None, MASKED)
-        out[0].copy_(idx.view(B, T, topk))
-        out[1].copy_(sc.view(B, T, topk))
-        return out
-    idx, sc = _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, None, float("-inf"))
-    pos = idx.long()
-    valid = pos >= 0
-    s = torch.where(valid, sc, torch.full_like(sc, float("-inf")))
-    o1 = torch.argsort(torch.where(valid, pos, torch.full_like(pos, 1 << 62)), dim=-1, stable=True)
-    o2 = torch.argsort(s.gather(-1, o1), dim=-1, descending=True, stable=True)
-    order = o1.gather(-1, o2)
-    pos, s, valid = pos.gather(-1, order), s.gather(-1, order), valid.gather(-1, order)
-    s = torch.where(valid, s, torch.full_like(s, MASKED))
-    pos = torch.where(valid, pos, torch.full_like(pos, -1))
+    key = ("sel", str(dev), R, topk)
+    if key not in _WS:  # the unordered selection, before the rank kernel puts it in the op's order
+        _WS[key] = (torch.empty(R, topk, dtype=torch.int32, device=dev),
+                    torch.empty(R, topk, dtype=torch.float32, device=dev))
+    sel = _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, _WS[key], MASKED)
     if out is None:
-        return pos.reshape(B, T, topk), s.reshape(B, T, topk)
-    out[0].copy_(pos.reshape(B, T, topk))
-    out[1].copy_(s.reshape(B, T, topk))
+        out = (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
+               torch.empty(B, T, topk, dtype=torch.float32, device=dev))
+    oi, os_ = out
+    direct = all(o.is_contiguous() and tuple(o.shape) == (B, T, topk) for o in out) and \
+        oi.dtype == torch.int64 and os_.dtype == torch.float32
+    ti, ts = (oi, os_) if direct else (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
+                                      torch.empty(B, T, topk, dtype=torch.float32, device=dev))
+    _rank_kernel[(R, triton.cdiv(topk, RANK_BLK))](sel[0], sel[1], ti, ts, topk, BLK=RANK_BLK, CHK=RANK_CHK,
+                                                   num_warps=4)
+    if not direct:
+        oi.copy_(ti)
+        os_.copy_(ts)
     return out
