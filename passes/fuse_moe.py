@@ -38,8 +38,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import logging
-import os
 
 import numpy as np
 import onnx_ir as ir
@@ -48,8 +46,6 @@ from onnxscript.rewriter import pattern as orp
 from kimi_compile.ops import DOMAIN
 from kimi_compile.passes.fuse_kda import _binary_const, _scalar
 from kimi_compile.rewrite import FusionPass, Refuse, attr, const, consumers, is_const, weight_like
-
-log = logging.getLogger("kimi_compile.fusion")
 
 # (stage, the reason a candidate that fails there is refused with), in the order the block is checked
 STAGES = (("k", "non_constant_k"), ("router", "router_not_sigmoid"), ("bias", "bias_not_constant"),
@@ -367,17 +363,6 @@ def _condition(v: Variant):
 
 # ---- pass -------------------------------------------------------------------------------------------------------
 
-def _topologically_sorted(graph: ir.Graph) -> bool:
-    seen: set[int] = set()
-    for node in graph:
-        for v in node.inputs:
-            p = v.producer() if v is not None else None
-            if p is not None and p.graph is graph and id(p) not in seen:
-                return False
-        seen.add(id(node))
-    return True
-
-
 class FuseMoEPass(FusionPass):
     name = "fuse_moe"
     version = 2
@@ -392,9 +377,6 @@ class FuseMoEPass(FusionPass):
             for v in VARIANTS for root in (0, 1)])
 
     def run(self, model, stats):
-        import onnx_ir.passes.common as common
-
-        debug = getattr(self.options, "debug", False) or os.environ.get("KIMI_COMPILE_DEBUG_FUSION") == "1"
         g, before = model.graph, len(model.graph)
         anchors = [n for n in g if n.op_type == "TopK" and n.domain == ""]
         fused: set[int] = set()
@@ -412,30 +394,16 @@ class FuseMoEPass(FusionPass):
                         if key in topk.metadata_props:
                             n.metadata_props[key] = topk.metadata_props[key]
                 # as the walk did: the new node before the TopK, the block's output rewired, the rest left to the
-                # dead-node removal below (not the rewriter's replace_nodes_and_values, which would rename the new
-                # output after the old one)
+                # dead-node removal in `finish` (not the rewriter's replace_nodes_and_values, which would rename the
+                # new output after the old one)
                 g.insert_before(topk, delta.new_nodes)
                 ir.convenience.replace_all_uses_with(delta.match.outputs[0], delta.new_outputs[0])
                 break
-        matches = len(fused)
         refused: dict[str, int] = {}
         missed = [n for n in anchors if id(n) not in fused]
         for topk, (reason, detail) in zip(missed, _diagnose(model, missed)):
-            refused[reason] = refused.get(reason, 0) + 1
-            stats.near_misses.append({"anchor": topk.name, "op": topk.op_type, "reason": reason, "detail": detail})
-            if debug:
-                log.warning("[%s] refused %s (%s): %s %s", self.name, topk.name, topk.op_type, reason, detail)
-        common.RemoveUnusedNodesPass()(model)
-        if matches and not _topologically_sorted(g):  # a fused op may read a weight Cast placed later
-            g.sort()
-        if matches:
-            from kimi_compile.functions import attach_functions
-
-            attach_functions(model)
-        stats.counts.update({"matches": matches, "nodes_removed": before - len(g),
-                             **{f"refused.{k}": v for k, v in sorted(refused.items())}})
-        log.info("[%s] matches=%d", self.name, matches)
-        return matches > 0
+            self.refused(stats, refused, topk, Refuse(reason, detail))
+        return self.finish(model, stats, before, len(fused), refused)
 
 
 def _diagnose(model: ir.Model, missed: list[ir.Node]) -> list[tuple[str, str]]:
