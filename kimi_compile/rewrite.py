@@ -263,30 +263,22 @@ class FusionPass(KimiPass):
     def rewrite_all(self, model: ir.Model, found: list) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def run(self, model: ir.Model, stats: PassStats) -> bool:
+    def debug(self) -> bool:
+        """Near misses logged as warnings (option `debug` or KIMI_COMPILE_DEBUG_FUSION=1)."""
+        return getattr(self.options, "debug", False) or os.environ.get("KIMI_COMPILE_DEBUG_FUSION") == "1"
+
+    def refused(self, stats: PassStats, refused: dict[str, int], node: ir.Node, r: Refuse) -> None:
+        """Count candidate `node`'s refusal by reason and keep it as a near miss."""
+        refused[r.reason] = refused.get(r.reason, 0) + 1
+        stats.near_misses.append({"anchor": node.name, "op": node.op_type, "reason": r.reason, "detail": r.detail})
+        if self.debug():
+            log.warning("[%s] refused %s (%s): %s %s", self.name, node.name, node.op_type, r.reason, r.detail)
+
+    def finish(self, model: ir.Model, stats: PassStats, before: int, matches: int, refused: dict[str, int]) -> bool:
+        """After the rewrites: dead nodes removed, topological order restored, function bodies attached, the counts
+        (matches, nodes removed, refused.<reason>) recorded; whether anything matched."""
         import onnx_ir.passes.common as common
 
-        debug = getattr(self.options, "debug", False) or os.environ.get("KIMI_COMPILE_DEBUG_FUSION") == "1"
-        matches, refused = 0, {}
-        before = len(model.graph)
-        found = []
-        for node in list(self.anchors(model)):
-            try:
-                data = self.match(model, node)
-            except Refuse as r:
-                refused[r.reason] = refused.get(r.reason, 0) + 1
-                stats.near_misses.append({"anchor": node.name, "op": node.op_type, "reason": r.reason,
-                                          "detail": r.detail})
-                if debug:
-                    log.warning("[%s] refused %s (%s): %s %s", self.name, node.name, node.op_type, r.reason, r.detail)
-                continue
-            if self.rewrite_each:
-                self.rewrite(model, node, data)
-            else:
-                found.append((node, data))
-            matches += 1
-        if found:
-            self.rewrite_all(model, found)
         common.RemoveUnusedNodesPass()(model)
         if matches and not _topologically_sorted(model.graph):  # a fused op may read a weight Cast placed later
             model.graph.sort()
@@ -298,6 +290,25 @@ class FusionPass(KimiPass):
                              **{f"refused.{k}": v for k, v in sorted(refused.items())}})
         log.info("[%s] matches=%d", self.name, matches)
         return matches > 0
+
+    def run(self, model: ir.Model, stats: PassStats) -> bool:
+        matches, refused = 0, {}
+        before = len(model.graph)
+        found = []
+        for node in list(self.anchors(model)):
+            try:
+                data = self.match(model, node)
+            except Refuse as r:
+                self.refused(stats, refused, node, r)
+                continue
+            if self.rewrite_each:
+                self.rewrite(model, node, data)
+            else:
+                found.append((node, data))
+            matches += 1
+        if found:
+            self.rewrite_all(model, found)
+        return self.finish(model, stats, before, matches, refused)
 
 
 __all__ = ["Builder", "FusionPass", "Refuse", "attach_overload", "attr", "const", "consumers", "is_graph_input",

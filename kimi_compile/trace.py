@@ -14,8 +14,10 @@ attached after export so ONNX Runtime can inline them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import onnx
 import onnx_ir as ir
@@ -97,29 +99,34 @@ def _dynamic_shapes(cfg: KimiConfig, opts: TraceOptions, decode: bool):
 
 # ---- custom translations: kimi:: primitives -> single kimi.* nodes -------------------------------------------------
 
-_SCHEMAS_DONE = False
-
-
-def _register_schemas() -> None:
-    global _SCHEMAS_DONE
-    if _SCHEMAS_DONE:
-        return
+@contextlib.contextmanager
+def _export_schemas() -> Iterator[None]:
+    """ONNX OpSchemas of the kimi:: primitives, registered while the exporter runs (it translates a custom op only
+    when ONNX knows its schema) and removed after. ONNX's schema registry is process-wide: a kimi schema left there
+    makes every later ONNX shape inference in the process treat those nodes as opaque instead of reading their
+    function bodies, so a pass that infers shapes (infer_shapes) would give a different graph for the same cache key
+    depending on whether its process traced first."""
     from onnx.defs import OpSchema
 
     ops.ensure_loaded()
-    for name in ("KDARecurrence", "PagedWrite", "PagedGather"):
-        op = ops.lookup(name)
-        schema = OpSchema(name, ops.DOMAIN, op.version,
-                          inputs=[OpSchema.FormalParameter(n, "T") for n in op.inputs],
-                          outputs=[OpSchema.FormalParameter(n, "T") for n in op.outputs],
-                          type_constraints=[("T", ["tensor(float)", "tensor(int64)", "tensor(float16)",
-                                                   "tensor(bfloat16)"], "")],
-                          attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT) for a in op.attributes])
-        try:
-            onnx.defs.register_schema(schema)
-        except Exception:  # already registered in this process
-            pass
-    _SCHEMAS_DONE = True
+    added = []
+    try:
+        for name in ("KDARecurrence", "PagedWrite", "PagedGather"):
+            op = ops.lookup(name)
+            if onnx.defs.has(name, op.version, ops.DOMAIN):  # registered by someone else: theirs to remove
+                continue
+            onnx.defs.register_schema(OpSchema(
+                name, ops.DOMAIN, op.version,
+                inputs=[OpSchema.FormalParameter(n, "T") for n in op.inputs],
+                outputs=[OpSchema.FormalParameter(n, "T") for n in op.outputs],
+                type_constraints=[("T", ["tensor(float)", "tensor(int64)", "tensor(float16)", "tensor(bfloat16)"],
+                                   "")],
+                attributes=[OpSchema.Attribute(a, OpSchema.AttrType.INT) for a in op.attributes]))
+            added.append((name, op.version))
+        yield
+    finally:
+        for name, version in added:
+            onnx.defs.deregister_schema(name, version, ops.DOMAIN)
 
 
 def _translations():
@@ -145,8 +152,11 @@ def _translations():
 
 def trace(model: KimiK3ForCausalLM, opts: TraceOptions = TraceOptions()) -> dict[str, ir.Model]:
     """Export the prefill and decode graphs. Weights stay initializers; both graphs name them identically."""
-    _register_schemas()
-    model = model.float().eval()
+    with _export_schemas():
+        return _trace(model.float().eval(), opts)
+
+
+def _trace(model: KimiK3ForCausalLM, opts: TraceOptions) -> dict[str, ir.Model]:
     out: dict[str, ir.Model] = {}
     for phase in PHASES:
         decode = phase == "decode"

@@ -50,6 +50,7 @@ import onnx_ir as ir
 from kimi_compile import ops
 from kimi_compile.functions import attach_functions
 from kimi_compile.passbase import KimiPass, PassStats
+from kimi_compile.passes.infer_shapes import kimi_shapes
 
 RULE = "partition_tp"
 GROUP = "tp"
@@ -127,7 +128,7 @@ def _nbytes(v: ir.Value) -> int:
 
 class PartitionTPPass(KimiPass):
     name = "partition_tp"
-    version = 3
+    version = 4
     changes_signature = True  # KDA cache inputs take their heads' slice
     partitions = True  # the pipeline runs one copy per rank (for_rank)
 
@@ -160,7 +161,7 @@ class PartitionTPPass(KimiPass):
             return False
         g = model.graph
         self.model, self.g, self.stats = model, g, stats
-        self._fill_kimi_shapes()
+        kimi_shapes(g)  # kimi.* outputs that shape inference left unknown or vague, from the ops' inference
         sp = o.sequence_parallel and self._has_sequence_axis()
         bytes_before = self._weight_bytes()
         plan = Plan()
@@ -827,27 +828,6 @@ class PartitionTPPass(KimiPass):
         return [axis]
 
     # ---- bookkeeping ------------------------------------------------------------------------------------------
-
-    def _fill_kimi_shapes(self) -> None:
-        """Output shapes of kimi.* nodes that shape inference left unknown, from the ops' inference."""
-        for n in self.g:
-            if n.domain != ops.DOMAIN or all(v.shape is not None and v.dtype is not None for v in n.outputs):
-                continue
-            op = ops.lookup(n.op_type)
-            if op.infer is None:
-                continue
-            types = [None if v is None or v.shape is None else
-                     ops.TensorType(tuple(d if isinstance(d, int) else str(d) for d in v.shape), 1) for v in n.inputs]
-            attrs = {**op.attributes, **{k: a.value for k, a in n.attributes.items()}}
-            try:
-                inferred = op.infer(types, attrs)
-            except Exception:  # noqa: BLE001 - inference is best effort here; shapes stay unknown
-                continue
-            for v, t in zip(n.outputs, inferred):
-                if v.shape is None and t.shape is not None and all(d is not None for d in t.shape):
-                    v.shape = ir.Shape(list(t.shape))
-                if v.dtype is None:
-                    v.dtype = ir.DataType(t.dtype)
 
     def _weight_bytes(self) -> int:
         return sum(_nbytes(v) for v in self.g.initializers.values() if v.const_value is not None)
