@@ -148,6 +148,21 @@ def _strategies(codes, heads):
     return list(dict.fromkeys([itk.strategy_for(codes, heads), "triton"]))
 
 
+def _baseline(lib: str, op: str, case: str, variant: str, rows) -> None:
+    """Runs `rows()`, which records a third-party baseline's rows (bench/baselines); a baseline that cannot load or
+    fails gets one error row instead, and the run goes on."""
+    why = bl.unavailable(lib)
+    if why is None:
+        try:
+            rows()
+            return
+        except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
+            why = f"{type(e).__name__}: {e}"[:500]
+            log(f"{lib} failed:", traceback.format_exc()[-800:])
+    ROWS.append({"op": op, "case": case, "variant": variant, "error": why})
+    log(f"{lib}:", why)
+
+
 def _topk_overlap(idx, full_cpu, lens, topk) -> float:
     """Mean fraction of the exact fp32 top-k positions found in idx [B, topk] (positions >= 0)."""
     got = []
@@ -162,12 +177,7 @@ def _topk_overlap(idx, full_cpu, lens, topk) -> float:
 def _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, lens, args):
     """DeepGEMM's paged FP8 MQA logits (+ torch.topk) on the same cache, converted once (bench/baselines/deepgemm.py:
     q and K requantized to its per-token scale, so compare top-k overlap with the exact scores, not bits)."""
-    why = bl.unavailable("deepgemm")
-    if why:
-        ROWS.append({"op": "indexer", "case": case, "variant": "DeepGEMM fp8_paged_mqa_logits", "error": why})
-        log("deepgemm:", why)
-        return
-    try:
+    def rows():
         kv = bl.to_deepgemm_cache(codes, scales)
         q8, w8 = bl.to_deepgemm_q(q[:, None], w[:, None])
         meta = bl.deepgemm_plan(cl)
@@ -183,16 +193,14 @@ def _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, 
 
         chk = {"topk_overlap_with_exact": _topk_overlap(with_topk().indices, full_cpu, lens, topk)}
         bytes_ = int(cl.sum()) * 132 + q.numel() + q.shape[0] * topk * 8
+        flops = 2 * int(cl.sum()) * q.shape[1] * 128
         record("indexer", case, "DeepGEMM fp8_paged_mqa_logits (logits only, schedule precomputed)", shape, bytes_,
-               2 * int(cl.sum()) * q.shape[1] * 128, logits, reps=args.reps, check=chk,
+               flops, logits, reps=args.reps, check=chk,
                note="their per-token-scale FP8 K (132 B/token, requantized from ours) and E4M3 q")
-        record("indexer", case, "DeepGEMM fp8_paged_mqa_logits + mask + torch.topk", shape, bytes_,
-               2 * int(cl.sum()) * q.shape[1] * 128, with_topk, reps=args.reps, check=chk)
-        del kv
-    except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
-        ROWS.append({"op": "indexer", "case": case, "variant": "DeepGEMM fp8_paged_mqa_logits",
-                     "error": f"{type(e).__name__}: {e}"[:500]})
-        log("deepgemm failed:", traceback.format_exc()[-800:])
+        record("indexer", case, "DeepGEMM fp8_paged_mqa_logits + mask + torch.topk", shape, bytes_, flops, with_topk,
+               reps=args.reps, check=chk)
+
+    _baseline("deepgemm", "indexer", case, "DeepGEMM fp8_paged_mqa_logits", rows)
 
 
 def indexer_section(args):
@@ -340,29 +348,21 @@ def mla_eager(q, kc, ks, kr, bt, idx, sm):
 def _flashmla_rows(case, shape, q4, kc, ks, kr, bt, idx3, sm, ref, bytes_, flops, args):
     """FlashMLA's sparse FP8 decode on the same latent cache converted once to its 656-byte rows (exact: E8M0 scales
     as fp32) and the same selection as global rows; its split schedule is computed once, as a model does per step."""
-    why = bl.unavailable("flashmla")
-    if why:
-        ROWS.append({"op": "sparse_mla", "case": case, "variant": "FlashMLA sparse FP8 decode", "error": why})
-        log("flashmla:", why)
-        return
-    try:
+    def rows():
         B, _, H, _ = q4.shape
         kv = bl.to_flashmla_cache(kc, ks, kr)
-        rows = bl.to_flashmla_indices(idx3, bt, kc.shape[1])
+        sel = bl.to_flashmla_indices(idx3, bt, kc.shape[1])
         plan = bl.flashmla_plan(B, 1, H, idx3.shape[-1])
         out = torch.empty(B, 1, H, 512, dtype=torch.bfloat16, device=DEV)
-        fn = lambda: bl.flashmla_sparse_decode(q4, kv, rows, sm, plan, out=out)  # noqa: E731
+        fn = lambda: bl.flashmla_sparse_decode(q4, kv, sel, sm, plan, out=out)  # noqa: E731
         fn()
         torch.cuda.synchronize()
         err = rel(out[:, 0], ref)
         record("sparse_mla", case, "FlashMLA sparse FP8 decode (schedule precomputed)", shape,
                bytes_ + B * idx3.shape[-1] * 12, flops, fn, reps=args.reps, check={"ok": err < 1e-2, "rel_err": err},
                note="656-byte rows (fp32 tile scales); the same attention as ours")
-        del kv
-    except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
-        ROWS.append({"op": "sparse_mla", "case": case, "variant": "FlashMLA sparse FP8 decode",
-                     "error": f"{type(e).__name__}: {e}"[:500]})
-        log("flashmla failed:", traceback.format_exc()[-800:])
+
+    _baseline("flashmla", "sparse_mla", case, "FlashMLA sparse FP8 decode", rows)
 
 
 def mla_section(args):
@@ -506,12 +506,8 @@ def _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, co
 
     record("kda_prefill", case, "fla chunk_kda (in-kernel l2/gate/beta), post-conv inputs", shape, core_bytes, flops,
            fla_core, graph=False, reps=rp)
-    why = bl.unavailable("flashkda")
-    if why:
-        ROWS.append({"op": "kda_prefill", "case": case, "variant": "FlashKDA fwd", "error": why})
-        log("flashkda:", why)
-        return
-    try:
+
+    def rows():
         final = torch.empty(1, H, D, D, device=DEV)
         out = torch.empty_like(cv)
         ws = torch.empty(bl.flashkda.flashkda_workspace_bytes(T, H), dtype=torch.uint8, device=DEV)
@@ -527,10 +523,8 @@ def _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, co
                "rel_err_state_vs_fla": rel(final.transpose(-1, -2).float(), fS.float())}
         record("kda_prefill", case, "FlashKDA fwd (in-kernel l2/gate/beta), post-conv inputs", shape, core_bytes,
                flops, fkda, graph=False, reps=rp, check=chk)
-    except Exception as e:  # noqa: BLE001 - a baseline failing must not lose our rows
-        ROWS.append({"op": "kda_prefill", "case": case, "variant": "FlashKDA fwd",
-                     "error": f"{type(e).__name__}: {e}"[:500]})
-        log("flashkda failed:", traceback.format_exc()[-800:])
+
+    _baseline("flashkda", "kda_prefill", case, "FlashKDA fwd", rows)
 
 
 def kda_prefill_section(args):
