@@ -41,13 +41,16 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
 3. `_final_kernel` (one program per row): exact selection among the candidates: bisection for the k-th key (stops
    once exactly k keys are >= mid; all candidates taken when there are at most k), ties to the lower position (a
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
-`indexer_topk_rows` runs these three (indices int32 in no particular order); `indexer_topk` adds the row set-up and
-sorts into the contract above (torch ops: two stable argsorts of [B * T, topk] and gathers).
+`indexer_topk_rows` runs these three (indices int32 in no particular order). `indexer_topk` runs them between two
+kernels of its own: `_rows_kernel` (each row's sequence and visible length from start / lengths) before, and
+`_rank_kernel` (grid rows x blocks of 128 slots) after, which writes each selected slot at its rank in the contract's
+order (the number of the row's selected keys before it: score descending, then position ascending), int64 positions
+and -1 / -1e30 past the selection.
 
-Invariants: the workspace (scores, group maxima, candidates, counters) is cached per (device, rows, positions) and
-allocated on the first call of a shape (warm up before capturing a CUDA graph); its counters reset themselves, so
-one workspace must not serve two calls in flight on different streams. Order keys: the order-preserving int32 image
-of the fp32 score (`_key`). History of these kernels (what was tried, what was measured): docs/kernels/indexer_topk.md.
+Invariants: the workspaces (scores, group maxima, candidates, counters; the rows and the unordered selection of
+`indexer_topk`) are cached per shape and allocated on the first call of a shape (warm up before capturing a CUDA
+graph); the counters reset themselves, so one workspace must not serve two calls in flight on different streams.
+Order keys: the order-preserving int32 image of the fp32 score (`_key`); `_pack` adds the position below it. History of these kernels (what was tried, what was measured): docs/kernels/indexer_topk.md.
 """
 
 from __future__ import annotations
@@ -373,7 +376,6 @@ if triton is not None:
             _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
         else:
             _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, False, CH)
-
 
     @triton.jit
     def _rows_kernel(START, LENGTHS, ROW_SEQ, ROW_LEN, R, T, BLK: tl.constexpr):
