@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kimi_compile.backends.cuda import program  # noqa: E402
+from kimi_compile.artifact import ArtifactError  # noqa: E402
 from kimi_compile.runtime import load  # noqa: E402
+from kimi_compile.runtime.session import RuntimeInputError  # noqa: E402
 
 NO_LAUNCH = {"view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "slice",
              "select", "as_strided", "alias", "detach", "split", "unbind", "chunk", "narrow", "view_as",
@@ -46,7 +48,6 @@ def count_decode_step(art: str, batch: int) -> dict:
     """{node kind [impl]: {"nodes", "ops", "by_op"}} of one decode step after a short prefill."""
     sess = load(art)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * batch
-    sess.generate(prompts, max_new_tokens=2)  # specializes both phases
     per_kind: dict[str, dict] = {}
     original = program.Specialized._step
 
@@ -61,7 +62,8 @@ def count_decode_step(art: str, batch: int) -> dict:
 
     cache = sess.new_cache(batch, 64)
     sess.prefill_last(prompts, cache)
-    program.Specialized._step = step  # the decode step's program steps only
+    sess.decode([9] * batch, cache)  # the first step at a shape specializes the program (its steps run uncounted)
+    program.Specialized._step = step  # the second decode step's program steps only
     try:
         sess.decode([9] * batch, cache)
     finally:
@@ -70,15 +72,25 @@ def count_decode_step(art: str, batch: int) -> dict:
             for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1]["ops"])}
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a batch of at least 1 sequence, got {n}")
+    return n
+
+
 def main() -> None:
     from run_info import run_info
 
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
-    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch", type=_positive, default=1)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
-    kinds = count_decode_step(a.artifact, a.batch)
+    try:
+        kinds = count_decode_step(a.artifact, a.batch)
+    except (ArtifactError, RuntimeInputError) as e:
+        sys.exit(f"step_ops: {e}")
     total = sum(v["ops"] for v in kinds.values())
     res = {**run_info("torch"), "artifact": Path(a.artifact).name, "batch": a.batch, "ops_per_decode_step": total,
            "per_node_kind": kinds}
