@@ -1,4 +1,7 @@
-"""cuda backend kernels for Block Attention Residuals: the two stages as fp32 torch compositions (any device)."""
+"""cuda backend kernels for Block Attention Residuals. Default on the GPU: one Triton kernel per stage
+(plugins/attn_res/triton.py: AttnResMerge's merge and RMSNorm in one launch instead of 29 torch operations,
+AttnResStage1's scores, softmax statistics and weighted sum in one instead of 17). Fallback (the CPU, shapes or dtypes
+the kernels refuse, no triton): the two stages as fp32 torch compositions (any device)."""
 
 from __future__ import annotations
 
@@ -35,7 +38,58 @@ def merge(x, a):
     return (y.to(partial.dtype),)
 
 
+_FLOATS = ("FLOAT", "BFLOAT16", "FLOAT16")
+
+
+def _triton_supports(values, attrs) -> str | None:
+    """Build-time check on the graph values: float tensors where the kernels read them, triton installed (shapes
+    and strides are checked when the kernel runs: `unsupported_merge` / `unsupported_stage1`)."""
+    from kimi_compile.plugins.attn_res import triton as tk
+
+    for v in values:
+        if v is not None and v.dtype is not None and v.dtype.name not in _FLOATS:
+            return f"the Triton kernel reads float32 / bfloat16 / float16 tensors, got {v.dtype.name} ({v.name})"
+    if getattr(tk, "triton", None) is None:
+        return "triton is not installed"
+    return None
+
+
+def merge_triton(x, a):
+    from kimi_compile.plugins.attn_res import triton as tk
+
+    o1, m1, l1, partial, query, norm_w = x
+    why = tk.unsupported_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]))
+    if why is not None:  # a shape the build could not see: say so once, run the fallback kernel
+        _warn_once("kimi.AttnResMerge", why, "torch.attn_res_merge")
+        return merge(x, a)
+    return (tk.attn_res_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]), a["eps"], a["norm_eps"]),)
+
+
+def stage1_triton(x, a):
+    from kimi_compile.plugins.attn_res import triton as tk
+
+    bank, queries = x
+    why = tk.unsupported_stage1(bank, queries)
+    if why is not None:
+        _warn_once("kimi.AttnResStage1", why, "torch.attn_res_stage1")
+        return stage1(x, a)
+    return tk.attn_res_stage1(bank, queries, a["eps"])
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(op: str, why: str, fallback: str) -> None:
+    import logging
+
+    if why not in _WARNED:
+        _WARNED.add(why)
+        logging.getLogger(__name__).warning("%s: the Triton kernel does not apply (%s); running %s", op, why, fallback)
+
+
 CUDA = {
-    "AttnResStage1": Kernel(stage1, devices=("cuda", "cpu"), name="torch.attn_res_stage1"),
-    "AttnResMerge": Kernel(merge, devices=("cuda", "cpu"), name="torch.attn_res_merge"),
+    "AttnResStage1": Kernel(stage1_triton, supports=_triton_supports, devices=("cuda",), name="triton.attn_res_stage1",
+                            fallback=Kernel(stage1, devices=("cuda", "cpu"), name="torch.attn_res_stage1")),
+    "AttnResMerge": Kernel(merge_triton, supports=_triton_supports, devices=("cuda",), name="triton.attn_res_merge",
+                           fallback=Kernel(merge, devices=("cuda", "cpu"), name="torch.attn_res_merge")),
 }
