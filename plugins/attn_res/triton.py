@@ -99,7 +99,7 @@ if triton is not None:
             bv = tl.load(row + ks[:, None].to(tl.int64) * s_bk + d[None, :], mask=(ks[:, None] < K) & (d[None, :] < D),
                          other=0.0).to(tl.float32)
             ss += bv * bv
-            for j in range(0, L):
+            for j in range(L):
                 qv = tl.load(QS + j * s_q + d, mask=d < D, other=0.0).to(tl.float32)
                 dj = tl.sum(bv * qv[None, :], 1)  # [KP]
                 dots += tl.where(ls[None, :] == j, dj[:, None], 0.0)
@@ -116,7 +116,7 @@ if triton is not None:
             d = d0 + cols
             bv = tl.load(row + ks[:, None].to(tl.int64) * s_bk + d[None, :], mask=(ks[:, None] < K) & (d[None, :] < D),
                          other=0.0).to(tl.float32)
-            for j in range(0, L):
+            for j in range(L):
                 ej = tl.sum(tl.where(ls[None, :] == j, e, 0.0), 1)  # [KP]
                 o = tl.sum(bv * ej[:, None], 0)  # [BD]
                 tl.store(O1 + (j * R + r).to(tl.int64) * D + d, o.to(O1.dtype.element_ty), mask=d < D)
@@ -196,7 +196,7 @@ def unsupported_stage1(bank, queries) -> str | None:
     """Why `attn_res_stage1` cannot run these tensors (naming the field), or None when it can."""
     if bank.dim() != 4:
         return f"attn_res_stage1: bank must be [K, B, T, D], got {tuple(bank.shape)}"
-    K, B, T, D = bank.shape
+    K, _B, _T, D = bank.shape
     if queries.dim() != 2 or queries.shape[1] != D:
         return f"attn_res_stage1: queries must be [L, D={D}], got {tuple(queries.shape)}"
     if not (1 <= K <= STAGE1_MAX_SOURCES and 1 <= queries.shape[0] <= STAGE1_MAX_SOURCES):

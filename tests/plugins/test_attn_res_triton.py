@@ -15,7 +15,6 @@ import os
 
 import pytest
 import torch
-
 from kimi_compile.plugins.attn_res import cuda as acuda
 from kimi_compile.plugins.attn_res import reference as aref
 from kimi_compile.plugins.attn_res import triton as atk
@@ -65,7 +64,7 @@ def test_merge_matches_torch_form(dtype, D, B, T, L, slot):
     a = {"slot": slot, "eps": 1e-5, "norm_eps": 1e-6}
     want = acuda.merge(list(x), a)[0]
     want32 = acuda.merge([t.float() for t in x], a)[0]
-    o1, m1, l1, p, q, w = x
+    _o1, m1, _l1, p, q, _w = x
     sp = (p.float() @ q.float()) * torch.rsqrt(p.float().pow(2).mean(-1) + a["eps"])
     wins = int((sp > m1[slot]).sum())
     if B * T > 1:
