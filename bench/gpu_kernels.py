@@ -1,7 +1,7 @@
 """Build, check and time every kept GPU kernel beside its baselines in one run (issue 6); writes JSON.
 
     KIMI_COMMIT=$(git rev-parse HEAD) python bench/gpu_kernels.py --out $OUT/gpu_kernels.json
-        [--sections floors,indexer,mla,kda_decode,kda_prefill,quant] [--no-compile] [--reps 30] [--quick]
+        [--sections floors,indexer,mla,kda_decode,kda_prefill,quant,attn_res] [--no-compile] [--reps 30] [--quick]
         [--skip-prefill]
 
 Method: CUDA events around each call, median (and p10/p90) over --reps runs; before every timed run a 256 MiB buffer is
@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from kimi_compile.plugins.attn_res import cuda as acuda  # noqa: E402
+from kimi_compile.plugins.attn_res import triton as atk  # noqa: E402
 from kimi_compile.plugins.indexer_topk import reference as iref  # noqa: E402
 from kimi_compile.plugins.indexer_topk import triton as itk  # noqa: E402
 from kimi_compile.plugins.kda import reference as kref  # noqa: E402
@@ -631,6 +633,48 @@ def quant_section(args):
     flush_json(args)
 
 
+# ------------------------------------------------------------------ Block Attention Residuals
+def attn_res_section(args):
+    """kimi.AttnResMerge / AttnResStage1: the Triton kernel (the cuda backend's default) beside the torch form it
+    replaced (plugins/attn_res/cuda.py, the fallback), both replayed as CUDA graphs, bf16, at the small preset's
+    D = 2048 and the released D = 7168; decode rows (T = 1) and one 4096-token prefill chunk."""
+    eps, neps = 1e-6, 1e-5
+    for D in (2048, 7168):
+        for B, T in ((1, 1), (8, 1), (32, 1), (1, 4096)):
+            g = torch.Generator(device=DEV).manual_seed(B * 7 + T + D)
+            Lq, K, slot = 4, 4, 1
+            bf = torch.bfloat16
+            o1 = torch.randn(Lq, B, T, D, device=DEV, dtype=bf, generator=g)
+            m1 = torch.randn(Lq, B, T, device=DEV, generator=g)
+            l1 = torch.rand(Lq, B, T, device=DEV, generator=g) * 3 + 1
+            p = torch.randn(B, T, D, device=DEV, dtype=bf, generator=g)
+            q = torch.randn(D, device=DEV, dtype=bf, generator=g) * 0.05
+            w = torch.rand(D, device=DEV, dtype=bf, generator=g) + 0.5
+            a = {"slot": slot, "eps": eps, "norm_eps": neps}
+            x = [o1, m1, l1, p, q, w]
+            want = acuda.merge([t.float() for t in x], a)[0]
+            got = atk.attn_res_merge(o1, m1, l1, p, q, w, slot, eps, neps)
+            chk = {"rel_err_vs_fp32_torch": rel(got.float(), want)}
+            case = f"merge D={D} B={B} T={T}"
+            nbytes = (2 * B * T * D * 2) + B * T * D * 2 + 4 * D
+            record("attn_res", case, "torch form (fallback)", {"B": B, "T": T, "D": D}, nbytes, 0,
+                   lambda x=x, a=a: acuda.merge(x, a), reps=args.reps)
+            record("attn_res", case, "triton.attn_res_merge", {"B": B, "T": T, "D": D}, nbytes, 0,
+                   lambda x=x: atk.attn_res_merge(*x, slot, eps, neps), check=chk, reps=args.reps)
+            bank = torch.randn(K, B, T, D, device=DEV, dtype=bf, generator=g)
+            qs = torch.randn(Lq, D, device=DEV, dtype=bf, generator=g) * 0.05
+            want = acuda.stage1([bank.float(), qs.float()], {"eps": eps})
+            got = atk.attn_res_stage1(bank, qs, eps)
+            chk = {"rel_err_vs_fp32_torch": max(rel(g_.float(), w_) for g_, w_ in zip(got, want))}
+            case = f"stage1 K={K} L={Lq} D={D} B={B} T={T}"
+            nbytes = (K + Lq) * B * T * D * 2 + Lq * D * 2
+            record("attn_res", case, "torch form (fallback)", {"B": B, "T": T, "D": D, "K": K, "L": Lq}, nbytes, 0,
+                   lambda bank=bank, qs=qs: acuda.stage1([bank, qs], {"eps": eps}), reps=args.reps)
+            record("attn_res", case, "triton.attn_res_stage1", {"B": B, "T": T, "D": D, "K": K, "L": Lq}, nbytes, 0,
+                   lambda bank=bank, qs=qs: atk.attn_res_stage1(bank, qs, eps), check=chk, reps=args.reps)
+    flush_json(args)
+
+
 def flush_json(args):
     RESULTS["rows"] = ROWS
     RESULTS["floors"] = FLOOR
@@ -662,7 +706,7 @@ def main():
         try:
             {"floors": floors, "indexer": lambda: indexer_section(args), "mla": lambda: mla_section(args),
              "kda_decode": lambda: kda_decode_section(args), "kda_prefill": lambda: kda_prefill_section(args),
-             "quant": lambda: quant_section(args)}[s]()
+             "quant": lambda: quant_section(args), "attn_res": lambda: attn_res_section(args)}[s]()
         except Exception:
             log(traceback.format_exc())
         flush_json(args)
