@@ -23,7 +23,9 @@ decode graph (T = 1), so speculation turned off costs nothing.
 Per sequence, an `AdaptiveK` controller turns the draft length down (to 0: off, with 1-token probes on shared
 batch steps, spaced further apart after each failed one) when the estimated per-token acceptance makes drafting
 unprofitable under a cost model of the verify forward (`verify_cost`, `token_cost`, in decode steps, fitted on the
-H200 by bench/speculative_gpu.py); its batch gate drops drafts that do not pay for the whole batch's forward.
+H200 by bench/speculative_gpu.py) and of the replay a rejection forces on the next step; the rows of a batch pool
+their evidence (the others' acceptance sets each row's prior), and its batch gate drops drafts that do not pay for
+the whole batch's forward.
 docs/speculative.md has the design, the cache bytes per method and the measurements.
 
 Drafters: `NgramDrafter` (prompt lookup: the latest earlier occurrence of the longest suffix n-gram of the
@@ -193,23 +195,62 @@ def ngram_lookup(context: Sequence[int], k: int, max_ngram: int = 3, min_ngram: 
 class NgramIndex:
     """Prompt lookup over a growing context in O(new tokens) per call: for each n in min_ngram..max_ngram, the
     latest start of every n-gram that has a token after it. `lookup` answers what `ngram_lookup` answers (a test
-    holds them equal)."""
+    holds them equal). An n-gram's key is its ids packed into one int (21 bits each: ids below 2^21; a context
+    with a larger id switches the index to tuple keys); a long stretch of new tokens (the prompt) is keyed with
+    numpy in one pass, where dict.update keeps the latest start of a repeated n-gram."""
+
+    BITS = 21
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.ns = range(max_ngram, min_ngram - 1, -1)
-        self.latest: dict[int, dict[tuple, int]] = {n: {} for n in self.ns}
+        self.latest: dict[int, dict] = {n: {} for n in self.ns}
         self.done = {n: 0 for n in self.ns}  # n-grams starting before this index are in latest[n]
+        self.packed = True  # int keys (False: tuple keys)
+        self.checked = 0  # context[:checked] holds no id past 2^21
+
+    def _key(self, gram) -> Any:
+        if not self.packed:
+            return tuple(gram)
+        key = 0
+        for t in gram:
+            key = (key << self.BITS) | t
+        return key
+
+    def _index(self, context: Sequence[int], n: int, lo: int, hi: int) -> None:
+        """n-grams starting at lo..hi-1 into latest[n]."""
+        table = self.latest[n]
+        if self.packed and hi - lo > 32 and n * self.BITS < 64:
+            a = np.asarray(context[lo:hi + n - 1], dtype=np.int64)
+            keys = a[:hi - lo].copy()
+            for j in range(1, n):
+                keys = (keys << self.BITS) | a[j:j + hi - lo]
+            table.update(zip(keys.tolist(), range(lo, hi)))
+        else:
+            key = self._key
+            for i in range(lo, hi):
+                table[key(context[i:i + n])] = i
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
         L = len(context)
+        if self.packed:
+            lo, self.checked = self.checked, L
+            if lo < L and (max(context[lo:]) >> self.BITS or min(context[lo:]) < 0):  # ids past 2^21: tuples
+                self.packed = False
+                self.latest = {n: {} for n in self.ns}
+                self.done = {n: 0 for n in self.ns}
+        key = self._key
         for n in self.ns:
-            if L - 1 < n:
+            hi = L - n  # starts 0..L-1-n: the suffix itself never counts
+            if hi < 1:
                 continue
-            table = self.latest[n]
-            for i in range(self.done[n], L - n):  # starts 0..L-1-n: the suffix itself never counts
-                table[tuple(context[i:i + n])] = i
-            self.done[n] = max(self.done[n], L - n)
-            i = table.get(tuple(context[L - n:]))
+            lo = self.done[n]
+            if lo < hi:
+                if hi - lo == 1:
+                    self.latest[n][key(context[lo:hi + n - 1])] = lo
+                else:
+                    self._index(context, n, lo, hi)
+                self.done[n] = hi
+            i = self.latest[n].get(key(context[hi:]))
             if i is not None:
                 return [int(t) for t in context[i + n:i + n + k]]
         return []
@@ -313,7 +354,7 @@ def _clone(t):
 def _runs(rows: Sequence[int]) -> list[tuple[int, int]]:
     """Sorted rows as [lo, hi) runs of consecutive rows: one slice copy each (no index tensor, no host sync)."""
     out: list[tuple[int, int]] = []
-    for r in sorted(set(int(x) for x in rows)):
+    for r in sorted({int(x) for x in rows}):
         if out and out[-1][1] == r:
             out[-1] = (out[-1][0], r + 1)
         else:
@@ -405,34 +446,70 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 class AdaptiveK:
     """Per sequence: the draft length k_b in 0..k that maximizes expected tokens per unit of step cost, where a
-    decode step costs 1 and a verification step with k drafts 1 + verify_cost + k token_cost; the acceptance alpha
-    is estimated from the drafts seen (accepted ones are successes, a rejection one failure; exponentially
-    forgotten; prior 3:1). k_b = 0 turns drafting off; a sequence that is off drafts 1 token (a probe) on the batch
-    steps that are multiples of its probe gap (probe_every, doubled after each failed probe up to probe_max, reset
-    by an accepted one): the gaps are powers of two times probe_every, so the probes of a batch share steps.
+    decode step costs 1 and a verification step with k drafts 1 + verify_cost + k token_cost, plus the replay it
+    may force: a rejected draft leaves two tokens to absorb, so the next step runs the prefill graph (cost(1) - 1
+    more) with probability 1 - alpha^k. The acceptance alpha is estimated from the drafts seen (accepted ones are
+    successes, a rejection one failure; exponentially forgotten) over a prior of weight 4 whose mean is the
+    batch's: 3:1 for a sequence alone, and the other sequences' pooled evidence (over the same 3:1) in a batch,
+    since they share the drafter and the model. k_b = 0 turns drafting off; a sequence that is off drafts 1 token
+    (a probe) on the batch steps that are multiples of its probe gap (probe_every, doubled after each failed probe
+    up to probe_max, reset by an accepted one): the gaps are powers of two times probe_every, so the probes of a
+    batch share steps.
 
     `gate` decides for the batch: one forward serves every row, so drafts are kept only when the batch's expected
-    tokens per unit of cost beat plain decoding's (B tokens per decode step); a probe step or a replay backlog
-    (the prefill graph runs anyway) keeps them."""
+    tokens per unit of cost (the forced replay included) beat plain decoding's (B tokens per decode step); a
+    probe step or a replay backlog (the prefill graph runs anyway) keeps them.
+
+    State: `success` / `failure` per row (prior included, as at B = 1), `evidence_s` / `evidence_f` (the row's
+    own observations, for the other rows' prior) and `prior` (the prior's remaining weight, 1 at the start)."""
 
     def __init__(self, cfg: SpecConfig, rows: int):
         self.cfg = cfg
         self.success = np.full(rows, 3.0)
         self.failure = np.ones(rows)
+        self.evidence_s = np.zeros(rows)
+        self.evidence_f = np.zeros(rows)
+        self.prior = np.ones(rows)
         self.gap = np.full(rows, cfg.probe_every, dtype=np.int64)
         self.probing = np.zeros(rows, dtype=bool)
         self.step = 0
+        self._alpha: list[float] = []  # per row, the estimate (refresh: at each tick and after an update)
+        self._stale = True
+        self._k: dict[float, int] = {}  # best_k by alpha (exact: the same alpha gives the same k)
+
+    def refresh(self) -> None:
+        """This step's acceptance estimates of every row (once a step: they change only by update)."""
+        self._stale = False
+        s, f = self.success, self.failure
+        if len(s) == 1:
+            self._alpha = (s / (s + f)).tolist()
+            return
+        es, ef = self.evidence_s, self.evidence_f
+        mean = (3.0 + es.sum() - es) / (4.0 + (es + ef).sum() - es - ef)  # the others' pooled evidence over 3:1
+        self._alpha = np.clip((s + 4.0 * self.prior * (mean - 0.75)) / (s + f), 0.0, 1.0).tolist()
 
     def alpha(self, b: int) -> float:
-        return float(self.success[b] / (self.success[b] + self.failure[b]))
+        if self._stale:
+            self.refresh()
+        return self._alpha[b]
 
     def cost(self, k: int) -> float:
         """A step with k draft tokens (the longest row's), in decode steps."""
         c = self.cfg
         return 1 + (c.verify_cost + k * c.token_cost if k else 0)
 
+    def replay(self, p_reject: float) -> float:
+        """Expected cost of the replay a step forces on the next one: cost(1) - 1 when a draft is rejected."""
+        return (self.cost(1) - 1) * p_reject
+
     def best_k(self, alpha: float) -> int:
-        return max(range(self.cfg.k + 1), key=lambda k: (expected_tokens(alpha, k) / self.cost(k), -k))
+        k = self._k.get(alpha)
+        if k is None:
+            if len(self._k) > 4096:
+                self._k.clear()
+            k = self._k[alpha] = max(range(self.cfg.k + 1), key=lambda k: (
+                expected_tokens(alpha, k) / (self.cost(k) + self.replay(1 - alpha ** k if k else 0.0)), -k))
+        return k
 
     def current(self, b: int) -> int:
         """The draft length the estimate gives now (k when not adaptive)."""
@@ -442,6 +519,8 @@ class AdaptiveK:
         """A new batch step."""
         self.step += 1
         self.probing[:] = False
+        if self._stale:
+            self.refresh()
 
     def choose(self, b: int) -> int:
         """The draft length of sequence b at this step (a probe: 1 on the steps its gap divides)."""
@@ -453,12 +532,17 @@ class AdaptiveK:
 
     def gate(self, ks: list[int], rows: Sequence[int], forced: bool) -> list[int]:
         """This step's draft lengths for the batch (rows: the sequences still decoding). forced: a replay backlog
-        runs the prefill graph anyway. Drafts that do not pay for the batch's verification forward are dropped;
-        rows on their probe step then still probe (1 token), so the estimates keep moving."""
+        runs the prefill graph anyway. Drafts that do not pay for the batch's verification forward and the replay
+        it may force are dropped; rows on their probe step then still probe (1 token), so the estimates keep
+        moving."""
         if not self.cfg.adaptive or forced or self.probing.any() or not any(ks):
             return ks
-        spec = sum(expected_tokens(self.alpha(b), ks[b]) for b in rows)
-        if spec / self.cost(max(ks)) > len(rows):
+        spec, p_all = 0.0, 1.0
+        for b in rows:
+            a = self.alpha(b)
+            spec += expected_tokens(a, ks[b])
+            p_all *= a ** ks[b]
+        if spec / (self.cost(max(ks)) + self.replay(1 - p_all)) > len(rows):
             return ks
         out = [0] * len(ks)
         for b in rows:
@@ -469,8 +553,13 @@ class AdaptiveK:
     def update(self, b: int, proposed: int, accepted: int) -> None:
         if proposed:
             d = self.cfg.decay ** proposed
+            rejected = accepted < proposed
             self.success[b] = d * self.success[b] + accepted
-            self.failure[b] = d * self.failure[b] + (accepted < proposed)
+            self.failure[b] = d * self.failure[b] + rejected
+            self.evidence_s[b] = d * self.evidence_s[b] + accepted
+            self.evidence_f[b] = d * self.evidence_f[b] + rejected
+            self.prior[b] *= d
+            self._stale = True
             if self.probing[b]:
                 self.gap[b] = self.cfg.probe_every if accepted else min(2 * self.gap[b], self.cfg.probe_max)
 
@@ -533,50 +622,59 @@ class SpeculativeBatch:
                 self.done[b] = True
 
     def _draft_lengths(self) -> list[int]:
-        seq = self.cache.seq_lens
+        seq = self.cache.seq_lens.tolist()
         self.ctl.tick()
         ks = [0] * self.B
-        live = [b for b in range(self.B) if not self.done[b]]
-        pending = {b: len(self.tokens[b]) - int(seq[b]) for b in live}
+        live = self.live = [b for b in range(self.B) if not self.done[b]]
+        pending = [len(self.tokens[b]) - seq[b] for b in range(self.B)]
         for b in live:
             k = self.ctl.choose(b)
-            ks[b] = max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending[b]))
+            if k:
+                ks[b] = max(0, min(k, self.max_new - len(self.out[b]) - 1, self.max_feed - pending[b]))
         # a replay backlog (more than the last emitted token to absorb) runs the prefill graph whatever is drafted
-        self.forced = any(p > 1 for p in pending.values())
+        self.forced = any(pending[b] > 1 for b in live)
         ks = self.ctl.gate(ks, live, forced=self.forced)
         for b in live:
-            self.st[b]["off_steps"] += ks[b] == 0
-            self.st[b]["k_sum"] += ks[b]
+            st = self.st[b]
+            st["off_steps"] += ks[b] == 0
+            st["k_sum"] += ks[b]
         return ks
 
     def step(self) -> None:
-        seq = self.cache.seq_lens
+        seq = self.cache.seq_lens.tolist()
         ks = self._draft_lengths()
-        drafts, qs = self.drafter.propose(self.tokens, ks) if any(ks) else ([[]] * self.B, [None] * self.B)
-        drafts = [list(d[:k]) for d, k in zip(drafts, ks)]
-        if any(len(d) < k for d, k in zip(drafts, ks)):  # the drafter found fewer: gate again on what it gave
-            live = [b for b in range(self.B) if not self.done[b]]
-            kept = self.ctl.gate([len(d) for d in drafts], live, forced=self.forced)
-            drafts = [d[:n] for d, n in zip(drafts, kept)]
-        feeds = [[] if self.done[b] else self.tokens[b][int(seq[b]):] + drafts[b] for b in range(self.B)]
-        start = seq[: self.B].copy()
-        self.ckpt.take([b for b in range(self.B) if drafts[b] and not self.fresh[b]])
-        self.fresh[[b for b in range(self.B) if drafts[b]]] = True
+        live = self.live
+        if any(ks):
+            drafts, qs = self.drafter.propose(self.tokens, ks)
+            drafts = [list(d[:k]) for d, k in zip(drafts, ks)]
+            if any(len(d) < k for d, k in zip(drafts, ks)):  # the drafter found fewer: gate again on what it gave
+                kept = self.ctl.gate([len(d) for d in drafts], live, forced=self.forced)
+                drafts = [d[:n] for d, n in zip(drafts, kept)]
+        else:
+            drafts, qs = [[]] * self.B, [None] * self.B
+        feeds = [[] if self.done[b] else self.tokens[b][seq[b]:] + drafts[b] for b in range(self.B)]
+        drafting = [b for b in range(self.B) if drafts[b]]
+        if drafting:
+            self.ckpt.take([b for b in drafting if not self.fresh[b]])
+            self.fresh[drafting] = True
         logits, phase = forward(self.s, self.cache, feeds)
         self.forwards[phase] += 1
         greedy = self.sampling.temperature <= 0
-        picks = self.s._host(logits.argmax(-1)) if greedy else None
+        picks = self.s._host(logits.argmax(-1)).tolist() if greedy else None
+        if greedy and phase == "decode":  # one token per live row, nothing drafted: plain decoding
+            for b in live:
+                self.st[b]["steps"] += 1
+                self._emit(b, [int(picks[b][0])])
+            self.fresh[live] = False
+            return
         host = None if greedy else self.s._host(logits)
         undo = []
-        for b in range(self.B):
-            if self.done[b]:
-                continue
+        for b in live:
             n, u = len(drafts[b]), len(feeds[b]) - len(drafts[b])
-            rows = slice(u - 1, u + n)
             if greedy:
-                a, emitted = accept_greedy(picks[b, rows], drafts[b])
+                a, emitted = accept_greedy(picks[b][u - 1:u + n], drafts[b])
             else:
-                p = probabilities(host[b, rows], self.sampling.temperature, self.sampling.top_k)
+                p = probabilities(host[b, u - 1:u + n], self.sampling.temperature, self.sampling.top_k)
                 q = qs[b][:n] if qs[b] is not None else None
                 a, emitted = accept_sampling(p, q, drafts[b], self.sampling.rng)
             st = self.st[b]
@@ -590,7 +688,7 @@ class SpeculativeBatch:
             if a < n:  # drafts past a are in the state: back to the checkpoint, replay the accepted next step
                 undo.append(b)
                 st["rollbacks"] += 1
-                self.cache.blocks.truncate(b, int(start[b]))
+                self.cache.blocks.truncate(b, seq[b])
             else:
                 self.fresh[b] = False
             self._emit(b, emitted)

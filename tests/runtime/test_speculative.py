@@ -25,8 +25,8 @@ class Scripted(sp.Drafter):
     None): row 0 is never corrupted (accepts all), row 1 rejects at a position cycling through 0..k, row 2 rejects
     the first draft every third step: the rows accept different numbers of tokens."""
 
-    def __init__(self, want, vocab: int, corrupt=None):
-        self.want, self.vocab, self.step = want, vocab, 0
+    def __init__(self, want, vocab: int, corrupt=None, prompts=PROMPTS):
+        self.want, self.vocab, self.step, self.prompts = want, vocab, 0, prompts
         self.corrupt = corrupt or (lambda b, n, k: None if b == 0 else n % (k + 1) if b == 1 else
                                    (0 if n % 3 == 0 else None))
 
@@ -34,7 +34,7 @@ class Scripted(sp.Drafter):
         self.step += 1
         out = []
         for b, (c, k) in enumerate(zip(contexts, ks)):
-            i = len(c) - len(PROMPTS[b])
+            i = len(c) - len(self.prompts[b])
             d = list(self.want[b][i:i + k])
             j = self.corrupt(b, self.step, k)
             if j is not None and j < len(d):
@@ -99,17 +99,21 @@ def test_incremental_ngram_index_equals_the_lookup():
     """NgramIndex (what NgramDrafter runs: O(new tokens) a step) answers what ngram_lookup answers, on contexts
     that grow by one to five tokens at a time over a small vocabulary (many repeats) and a large one (few)."""
     rng = np.random.default_rng(0)
-    for vocab, (lo, hi) in ((4, (2, 3)), (50, (1, 2)), (1000, (1, 3))):
-        ctx = rng.integers(0, vocab, 3).tolist()
+    for vocab, (lo, hi) in ((4, (2, 3)), (50, (1, 2)), (1000, (1, 3)), (8, (1, 5)), (-8, (1, 3))):
+        big, vocab = vocab < 0, abs(vocab)  # big: ids past 2^21 from step 100 on (the index turns to tuple keys)
+        ctx = rng.integers(0, vocab, 200 if vocab == 50 else 3).tolist()  # 200: the prompt's one-pass keys
         ix = sp.NgramIndex(max_ngram=hi, min_ngram=lo)
         hits = 0
-        for _ in range(300):
+        for i in range(300):
             k = int(rng.integers(1, 6))
+            if big and i >= 100:
+                ctx.append((1 << 22) + int(rng.integers(0, 2)))
             want = sp.ngram_lookup(ctx, k, hi, lo)
             assert ix.lookup(ctx, k) == want, (vocab, len(ctx))
             hits += bool(want)
             ctx += rng.integers(0, vocab, int(rng.integers(1, 6))).tolist()
         assert hits > 0
+        assert ix.packed != big  # int keys; tuple keys once an id does not fit 21 bits
 
 
 # ---- forced drafters ------------------------------------------------------------------------------------------
@@ -192,6 +196,36 @@ def test_batch_gate_keeps_drafts_only_when_they_pay_for_the_batch_forward():
     solo.success[:], solo.failure[:] = 1.0, 1.0
     solo.tick()
     assert solo.gate([k], [0], forced=False) == [k]  # B = 1: the gate agrees with best_k
+
+PROMPTS8 = [PROMPTS[b % 3][b // 3:] + [b + 20] for b in range(8)]
+
+
+def test_batch_of_8_all_reject_runs_few_verification_forwards(runtime_session):
+    """B = 8, every draft rejected, adaptive k = 4, 64 tokens: the rows' pooled evidence turns the whole batch off
+    after its first verification forward and the replay it forces (then shared probes), where per-row estimates
+    over a fixed 3:1 prior kept every row drafting for four steps (12 verification forwards before, 9 now).
+    All-accept keeps k = 4 on every row, and in a mixed batch the two accepting rows keep drafting while the six
+    rejecting ones turn off. The output is plain greedy's throughout."""
+    sess = runtime_session("kimi-k3.1-tiny", "onnxruntime")
+    want = sess.generate(PROMPTS8, N, stop_at_eos=False)
+    spec = {"k": 4, "adaptive": True}
+
+    def run(corrupt):
+        got = sess.generate(PROMPTS8, N, stop_at_eos=False, speculative={
+            **spec, "method": Scripted(want, sess.vocab_size, corrupt, prompts=PROMPTS8)})
+        assert got == want
+        return got
+
+    got = run(lambda b, n, k: 0)
+    assert got.batch["forwards"]["prefill"] <= 9, got.batch
+    assert all(s["acceptance"] == 0.0 and s["k_final"] == 0 for s in got.stats)
+    got = run(lambda b, n, k: None)
+    assert all(s["k_final"] == 4 and s["off_steps"] == 0 and s["acceptance"] == 1.0 for s in got.stats)
+    assert got.batch["forwards"] == {"prefill": math.ceil((N - 1) / 5), "decode": 0}
+    got = run(lambda b, n, k: None if b < 2 else 0)
+    assert [s["k_final"] for s in got.stats] == [4, 4] + [0] * 6
+    assert all(s["tokens_per_step"] > 2.5 for s in got.stats[:2]), got.stats[:2]
+
 
 # ---- rollback and replay: the KDA state -------------------------------------------------------------------------
 
