@@ -43,14 +43,19 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
 `indexer_topk_rows` runs these three (indices int32 in no particular order). `indexer_topk` runs them between two
 kernels of its own: `_rows_kernel` (each row's sequence and visible length from start / lengths) before, and
-`_rank_kernel` (grid rows x blocks of 128 slots) after, which writes each selected slot at its rank in the contract's
-order (the number of the row's selected keys before it: score descending, then position ascending), int64 positions
-and -1 / -1e30 past the selection.
+`_rank_kernel` after. There `_final_kernel` writes each selected slot's fp64 order key (`_dkey`: score and position
+in one double, -inf past the selection) instead of the position / score pair; `_rank_kernel` (grid rows x blocks of
+64 or 128 slots, `_rank_shape`) counts for each slot the row's keys greater than its own (one fp64 compare per pair,
+the warps of a program splitting the row's keys), which is its rank in the contract's order (score descending, then
+position ascending), and writes the position and score decoded from the key there: int64 positions, -1 / -1e30 past
+the selection.
 
-Invariants: the workspaces (scores, group maxima, candidates, counters; the rows and the unordered selection of
-`indexer_topk`) are cached per shape and allocated on the first call of a shape (warm up before capturing a CUDA
+Invariants: the workspaces (scores, group maxima, candidates, counters; the rows and the selection's order keys
+of `indexer_topk`) are cached per shape and allocated on the first call of a shape (warm up before capturing a CUDA
 graph); the counters reset themselves, so one workspace must not serve two calls in flight on different streams.
-Order keys: the order-preserving int32 image of the fp32 score (`_key`); `_pack` adds the position below it. History of these kernels (what was tried, what was measured): docs/kernels/indexer_topk.md.
+Order keys: the order-preserving int32 image of the fp32 score (`_key`); `_dkey` the fp64 with the score's sign and
+31 magnitude bits above 31 position bits (the same order, distinct per position, never inf / NaN).
+History of these kernels (what was tried, what was measured): docs/kernels/indexer_topk.md.
 """
 
 from __future__ import annotations
@@ -73,7 +78,9 @@ SCORE_WARPS = 4  # the Triton score kernel
 SCORE_STAGES = 3  # its software pipeline depth (tl.range): next page's loads in flight while this one computes
 PROGS_PER_SM = 4  # score programs per SM over all rows
 CAND_WARPS, CAND_PROGS_PER_SM, FINAL_WARPS = 4, 2, 8  # the two select kernels
-RANK_BLK, RANK_CHK = 128, 32  # the rank kernel: slots per program, keys compared per step (no spills at 4 warps)
+RANK_CHK, RANK_STAGES = 128, 3  # the rank kernel: keys per step (CHK // W per warp), its pipeline depth (tl.range)
+RANK_PROGS_PER_SM = 2  # from this many programs per SM: 128 slots and 2 warps per rank program, else 64 and 4
+# (_rank_shape; H200 sweep of .gpu/rank_bench.py: 19.9 us at 32 rows, 7.7 / 9.8 us at 1 / 8 rows)
 
 if triton is not None:
 
@@ -207,10 +214,11 @@ if triton is not None:
 
     @triton.jit
     def _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, INREG: tl.constexpr,
-                     CH: tl.constexpr):
+                     CH: tl.constexpr, KEYS: tl.constexpr):
         # exact top-`target` of the nc candidates: the target-th largest key by bisection between the keys' min and
         # max, stopping as soon as exactly `target` keys are >= mid; ties to the lower position (a second bisection
         # on position, over [0, L)). target == nc: all of them, no search. xr / pr: the first CH candidate slots.
+        # KEYS: one fp64 order key per slot (_dkey) into OUT_I instead of the position / score pair
         ar = tl.arange(0, CH)
         m = ar < nc
         kr = tl.where(m, _key(xr), -2147483648)
@@ -248,8 +256,7 @@ if triton is not None:
             sel = m & ((kr > tk) | ((kr == tk) & ((pr <= plo) | alleq)))
             si = sel.to(tl.int32)
             slot = tl.cumsum(si, 0) - 1
-            tl.store(OUT_I + obase + slot, pr, mask=si != 0)
-            tl.store(OUT_S + obase + slot, _unkey(kr), mask=si != 0)
+            _put(OUT_I, OUT_S, obase + slot, pr, _unkey(kr), si != 0, KEYS)
         else:
             done = nc * 0
             for i in range(0, nc, CH):
@@ -260,9 +267,17 @@ if triton is not None:
                 sel = m2 & ((k > tk) | ((k == tk) & ((p <= plo) | alleq)))
                 si = sel.to(tl.int32)
                 slot = done + tl.cumsum(si, 0) - 1
-                tl.store(OUT_I + obase + slot, p, mask=si != 0)
-                tl.store(OUT_S + obase + slot, _unkey(k), mask=si != 0)
+                _put(OUT_I, OUT_S, obase + slot, p, _unkey(k), si != 0, KEYS)
                 done += tl.sum(si, 0)
+
+    @triton.jit
+    def _put(OUT_I, OUT_S, off, p, x, m, KEYS: tl.constexpr):
+        # one selected slot: position and score, or (KEYS) its fp64 order key
+        if KEYS:
+            tl.store(OUT_I + off, _dkey(x, p), mask=m)
+        else:
+            tl.store(OUT_I + off, p, mask=m)
+            tl.store(OUT_S + off, x, mask=m)
 
     @triton.jit
     def _gm_count(GM, gbase, ng, gk, thr, NGB: tl.constexpr):
@@ -325,47 +340,73 @@ if triton is not None:
         tl.store(CP + cbase + slot, pos, mask=mk)
 
     @triton.jit
-    def _pack(k, p):
-        # int64 order key: the score's key in the high word, 2^32 - 1 - position in the low word: distinct per
-        # position, larger = earlier in the op's order (score descending, then position ascending)
-        return (k.to(tl.int64) << 32) | (0xFFFFFFFF - p.to(tl.int64))
+    def _dkey(x, p):
+        # fp64 order key of (score x, position p >= 0): bits sign(x) | |x|'s 31 bits | t, t = 2^31 - 1 - p when x is
+        # not negative, p when it is: as doubles, larger = earlier in the op's order (score descending as _key
+        # orders it, -0 below +0, then position ascending); distinct per position; bit 62 is 0, so never inf or NaN
+        # (one DSETP per comparison, on the FP64 pipe, where the int64 key took two integer compares)
+        b = x.to(tl.int32, bitcast=True)
+        t = p ^ (~(b >> 31) & 0x7FFFFFFF)
+        hi = (b & -2147483648) | ((b >> 1) & 0x3FFFFFFF)
+        lo = (b << 31) | t
+        k = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+        return k.to(tl.float64, bitcast=True)
 
     @triton.jit
-    def _rank_kernel(SEL_I, SEL_S, OUT_I, OUT_S, topk, BLK: tl.constexpr, CHK: tl.constexpr):
-        # grid (rows, slot blocks of BLK): each selected slot moves to its rank in the op's order (the number of
-        # the row's selected keys before it, by _pack); unselected slots (-1) stay where they are (past the last
-        # selected one)
+    def _undkey(d):
+        # (position, score) of a _dkey key
+        k = d.to(tl.int64, bitcast=True)
+        neg = k < 0
+        t = (k & 0x7FFFFFFF).to(tl.int32)
+        b = ((k >> 31) & 0x7FFFFFFF).to(tl.int32) | tl.where(neg, -2147483648, 0)
+        return tl.where(neg, t, 0x7FFFFFFF - t), b.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rank_kernel(KEYS, OUT_I, OUT_S, topk, kp, pad_score, BLK: tl.constexpr, CHK: tl.constexpr,
+                     W: tl.constexpr, NS: tl.constexpr):
+        # grid (rows, slot blocks of BLK): each selected slot moves to its rank in the op's order, the number of the
+        # row's keys (_dkey; -inf where none) greater than its own; unselected slots stay where they are (past the
+        # last selected one) as -1 / pad_score. Lanes hold BLK // 32 slots each; the W warps split the row's kp keys
+        # (kp: topk rounded up to CHK, -inf past topk), CHK // W contiguous keys each per step, and add their counts
+        # once at the end. No masks in the loop.
         r = tl.program_id(0)
-        base = r.to(tl.int64) * topk
-        jj = tl.program_id(1) * BLK + tl.arange(0, BLK)
+        kb = r.to(tl.int64) * kp
+        NJ: tl.constexpr = BLK // 32
+        S: tl.constexpr = CHK // W
+        # [NJ, 32] slots: lane l holds slots l, 32 + l, ..; [S, W] keys: warp w takes keys w * S .. w * S + S - 1
+        # (the layout Triton picks for [NJ, S, W, 32]: lanes on the last axis, warps on W, the rest in-thread)
+        jj = tl.program_id(1) * BLK + tl.arange(0, NJ)[:, None] * 32 + tl.arange(0, 32)[None, :]
         mj = jj < topk
-        pj = tl.load(SEL_I + base + jj, mask=mj, other=-1)
-        sj = tl.load(SEL_S + base + jj, mask=mj, other=0.0)
-        kj = _pack(_key(sj), pj)
-        rank = tl.zeros([BLK], tl.int32)
-        for c in range(0, topk, CHK):
-            ii = c + tl.arange(0, CHK)
-            pi = tl.load(SEL_I + base + ii, mask=ii < topk, other=-1)
-            si = tl.load(SEL_S + base + ii, mask=ii < topk, other=0.0)
-            ki = tl.where(pi >= 0, _pack(_key(si), pi), -9223372036854775808)
-            rank += tl.sum((ki[None, :] > kj[:, None]).to(tl.int32), 1)
-        dest = tl.where(pj >= 0, rank, jj)
-        tl.store(OUT_I + base + dest, pj, mask=mj)
-        tl.store(OUT_S + base + dest, sj, mask=mj)
+        kj = tl.load(KEYS + kb + jj, mask=mj, other=float("-inf"))
+        iw = tl.arange(0, W)[None, :] * S + tl.arange(0, S)[:, None]
+        acc = tl.zeros([NJ, W, 32], tl.int32)
+        for c in tl.range(0, kp, CHK, num_stages=NS):
+            ki = tl.load(KEYS + kb + c + iw)
+            acc += tl.sum((ki[None, :, :, None] > kj[:, None, None, :]).to(tl.int32), 1)
+        rank = tl.sum(acc, 1)
+        sel = kj != float("-inf")
+        pj, sj = _undkey(kj)
+        dest = tl.where(sel, rank, jj)
+        ob = r.to(tl.int64) * topk
+        tl.store(OUT_I + ob + dest, tl.where(sel, pj, -1).to(tl.int64), mask=mj)
+        tl.store(OUT_S + ob + dest, tl.where(sel, sj, pad_score), mask=mj)
 
     @triton.jit
-    def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, pad_score, CH: tl.constexpr,
-                      KP2: tl.constexpr):
-        # one program per row: exact selection among the candidates; resets the counter. Slots keff .. topk - 1
-        # get -1 and pad_score
+    def _final_kernel(CS, CP, CNT, ROW_LEN, OUT_I, OUT_S, cap, topk, width, pad_score, CH: tl.constexpr,
+                      KP2: tl.constexpr, KEYS: tl.constexpr):
+        # one program per row: exact selection among the candidates; resets the counter. Output rows of `width`
+        # slots: slots keff .. width - 1 get -1 and pad_score, or (KEYS) the key -inf
         r = tl.program_id(0)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
-        obase = r.to(tl.int64) * topk
+        obase = r.to(tl.int64) * width
         kk = tl.arange(0, KP2)
-        pm = (kk >= keff) & (kk < topk)
-        tl.store(OUT_I + obase + kk, tl.full([KP2], -1, tl.int32), mask=pm)
-        tl.store(OUT_S + obase + kk, tl.full([KP2], pad_score, tl.float32), mask=pm)
+        pm = (kk >= keff) & (kk < width)
+        if KEYS:
+            tl.store(OUT_I + obase + kk, tl.full([KP2], float("-inf"), tl.float64), mask=pm)
+        else:
+            tl.store(OUT_I + obase + kk, tl.full([KP2], -1, tl.int32), mask=pm)
+            tl.store(OUT_S + obase + kk, tl.full([KP2], pad_score, tl.float32), mask=pm)
         base = r.to(tl.int64) * cap
         ar = tl.arange(0, CH)  # the first CH candidate slots, loaded while the counter is read
         xr = tl.load(CS + base + ar, mask=ar < cap, other=0.0)
@@ -373,9 +414,9 @@ if triton is not None:
         nc = tl.atomic_xchg(CNT + r, 0)  # read and reset (the workspace cleans itself)
         target = tl.minimum(keff, nc)
         if nc <= CH:
-            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH)
+            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, True, CH, KEYS)
         else:
-            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, False, CH)
+            _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, False, CH, KEYS)
 
     @triton.jit
     def _rows_kernel(START, LENGTHS, ROW_SEQ, ROW_LEN, R, T, BLK: tl.constexpr):
@@ -548,7 +589,9 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
 
 def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int, pad_score: float):
     """Stages 2 and 3: `_cand_kernel` (threshold from the group maxima + candidate compaction), then `_final_kernel`
-    (exact selection among the candidates, in no particular order; slots past min(L, topk): -1 and pad_score)."""
+    (exact selection among the candidates, in no particular order; slots past min(L, topk): -1 and pad_score).
+    out_s None: out_i is a float64 [R, width] key workspace (width >= topk) and takes each selected slot's `_dkey`
+    order key, -inf past the selection."""
     sc, gm, cs, cp, cnt = ws
     R = row_len.shape[0]
     blk = 2048
@@ -557,9 +600,28 @@ def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, 
     ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
     _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
                                                 NGB=ngb, BLK=blk, num_warps=CAND_WARPS)
-    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_s, cap, topk, pad_score, CH=4096,
-                        KP2=triton.next_power_of_2(topk), num_warps=FINAL_WARPS)
+    keys = out_s is None
+    width = out_i.shape[1]
+    _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_i if keys else out_s, cap, topk, width, pad_score, CH=4096,
+                        KP2=triton.next_power_of_2(width), KEYS=keys, num_warps=FINAL_WARPS)
     return out_i, out_s
+
+
+def _rank_shape(R: int, topk: int, nsm: int) -> tuple[int, int]:
+    """(slots, warps) per rank program: (128, 2) where that still gives RANK_PROGS_PER_SM programs per SM (4 slots
+    per lane: one key load serves 4 comparisons), else (64, 4): few rows (decode at B=1) need more programs and
+    more warps splitting each row's keys."""
+    return (128, 2) if R * triton.cdiv(topk, 128) >= RANK_PROGS_PER_SM * nsm else (64, 4)
+
+
+def _rank(keys: torch.Tensor, topk: int, out_i: torch.Tensor, out_s: torch.Tensor) -> None:
+    """`_rank_kernel`: the key workspace keys [R, kp] float64 (kp = topk rounded up to RANK_CHK; `_select` with
+    out_s None wrote it) -> out_i [R, topk] int64, out_s [R, topk] float32 contiguous, in the op's order, -1 / MASKED
+    past the selection."""
+    R, kp = keys.shape
+    blk, w = _rank_shape(R, topk, _num_sms(keys.device))
+    _rank_kernel[(R, triton.cdiv(topk, blk))](keys, out_i, out_s, topk, kp, MASKED, BLK=blk, CHK=RANK_CHK, W=w,
+                                              NS=RANK_STAGES, num_warps=w)
 
 
 def _row_setup(start: torch.Tensor, lengths: torch.Tensor, B: int, T: int, dev):
@@ -633,11 +695,12 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
     bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else \
         block_table.to(torch.int32).contiguous()
     q2, w2 = q.reshape(R, H, D).to(torch.bfloat16), w.reshape(R, H)
-    key = ("sel", str(dev), R, topk)
-    if key not in _WS:  # the unordered selection, before the rank kernel puts it in the op's order
-        _WS[key] = (torch.empty(R, topk, dtype=torch.int32, device=dev),
-                    torch.empty(R, topk, dtype=torch.float32, device=dev))
-    sel = _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, _WS[key], MASKED)
+    kp = triton.cdiv(topk, RANK_CHK) * RANK_CHK
+    key = ("keys", str(dev), R, kp)
+    if key not in _WS:  # the unordered selection as order keys, before the rank kernel puts it in the op's order
+        _WS[key] = torch.empty(R, kp, dtype=torch.float64, device=dev)
+    keys = _WS[key]
+    _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, (keys, None), MASKED)
     if out is None:
         out = (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
                torch.empty(B, T, topk, dtype=torch.float32, device=dev))
@@ -646,8 +709,7 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
         oi.dtype == torch.int64 and os_.dtype == torch.float32
     ti, ts = (oi, os_) if direct else (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
                                       torch.empty(B, T, topk, dtype=torch.float32, device=dev))
-    _rank_kernel[(R, triton.cdiv(topk, RANK_BLK))](sel[0], sel[1], ti, ts, topk, BLK=RANK_BLK, CHK=RANK_CHK,
-                                                   num_warps=4)
+    _rank(keys, topk, ti.view(R, topk), ts.view(R, topk))
     if not direct:
         oi.copy_(ti)
         os_.copy_(ts)

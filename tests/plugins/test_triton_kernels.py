@@ -318,6 +318,50 @@ def test_indexer_topk_contract(zero_w):
             assert bool((gs[b, t, 1:n] <= gs[b, t, :n - 1]).all())
 
 
+_INTERP = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(itk.triton is None or not (torch.cuda.is_available() or _INTERP),
+                    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
+@pytest.mark.parametrize("shape", [(64, 4), (128, 2), (32, 4)])
+@pytest.mark.parametrize("lens,topk", [([1000], 200), ([900, 40, 1024, 0], 300), ([5000, 3000], 2048)])
+def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
+    """Stages 2 and 3 writing order keys, then the rank kernel, on synthetic score rows without the score kernel:
+    the contract's order exactly (score desc as the int32 order key orders it, -0.0 below +0.0, then position asc)
+    with many tied scores, rows shorter than topk (-1 / MASKED padding), topk not a multiple of the slot block,
+    the two (slots, warps) shapes the launch picks (2 or 4 slots per lane, 4 or 2 warps splitting the keys) and one
+    of 1 slot per lane."""
+    from kimi_compile.onnx_body import MASKED
+
+    monkeypatch.setattr(itk, "_rank_shape", lambda R, k, nsm: shape)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(len(lens) + topk)
+    R, cap = len(lens), max(1024, -(-max(lens) // 1024) * 1024)
+    sc = (torch.randn(R, cap, generator=gen) * 4).round() / 4  # many exact ties
+    sc[:, ::7] = 0.0
+    sc[:, 3::11] = -0.0
+    G = itk._group_size(cap, topk, 64)
+    L = torch.tensor(lens, dtype=torch.int32)
+    gm = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf")).view(R, cap // G, G).amax(-1)
+    ws = tuple(t.to(dev) for t in (sc, gm.contiguous(), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
+                                   torch.zeros(R, dtype=torch.int32)))
+    kp = -(-topk // itk.RANK_CHK) * itk.RANK_CHK
+    keys = torch.full((R, kp), 7.0, dtype=torch.float64, device=dev)
+    itk._select(ws, L.to(dev), keys, None, cap, cap // G, topk, G, itk._num_sms(keys.device), MASKED)
+    oi = torch.full((R, topk), -7, dtype=torch.int64, device=dev)
+    os_ = torch.full((R, topk), float("nan"), device=dev)
+    itk._rank(keys, topk, oi, os_)
+    oi, os_ = oi.cpu(), os_.cpu()
+    for r, n in enumerate(lens):
+        b = sc[r, :n].view(torch.int32).long()
+        k = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+        order = torch.tensor(sorted(range(n), key=lambda i: (-int(k[i]), i))[:topk], dtype=torch.int64)
+        m = min(n, topk)
+        assert torch.equal(oi[r, :m], order)
+        assert torch.equal(os_[r, :m].view(torch.int32), sc[r, order].view(torch.int32))  # bit for bit
+        assert bool((oi[r, m:] == -1).all()) and bool((os_[r, m:] == MASKED).all())
+
+
 @gpu
 @pytest.mark.parametrize("strategy", ["auto", "triton"])
 def test_indexer_topk_ties(strategy):
