@@ -5,7 +5,7 @@ without speculation, at B=1 and B=8, on a repetitive and a non-repetitive prompt
     KIMI_COMMIT=$(git rev-parse HEAD) python bench/speculative_gpu.py --out $OUT/speculative_gpu.json
         [--artifact DIR] [--model HF_DIR] [--sections build,verify,sets,oracle] [--batches 1,8] [--k 4]
         [--new-tokens 256] [--prompt-len 1024] [--oracle 0,0.3,0.6,0.8,0.9,1.0] [--oracle-k 2,4,7]
-        [--verify-t 1,2,3,4,5,8,16] [--reps 3]
+        [--verify-t 1,2,3,4,5,8,16] [--reps 3] [--modes adaptive,fixed]
 
 Sections (every case records its wall-clock medians over --reps runs after one warm-up run that captures):
   build   recipes/kimi-k3.1-small-cuda.yaml with backend.options.prefill_graphs on (verification forwards run from
@@ -202,6 +202,7 @@ OPTIONS = {  # flag: default (the lists are comma-separated)
     "--sections": "build,verify,sets,oracle", "--batches": "1,8", "--k": 4, "--new-tokens": 256,
     "--prompt-len": 1024, "--oracle": "0,0.3,0.6,0.8,0.9,1.0", "--oracle-k": "2,4,7", "--verify-t": "1,2,3,4,5,8,16",
     "--reps": 3, "--artifact": str(ROOT / "artifacts" / "kimi-k3.1-small-cuda-spec"),
+    "--modes": "adaptive,fixed",  # sets: the speculative runs beside plain decoding (adaptive k, fixed k)
 }
 
 
@@ -213,6 +214,8 @@ def main() -> None:
         ap.add_argument(flag, default=default, type=type(default))
     a = ap.parse_args()
     secs = set(a.sections.split(","))
+    if not set(a.modes.split(",")) <= {"adaptive", "fixed"}:
+        ap.error(f"--modes: expected a comma-separated subset of adaptive,fixed, got {a.modes!r}")
     RESULT.update(run_info("torch", "triton", "onnx", "onnx-ir"))
     RESULT["model"] = f"checkpoint {a.model}" if a.model else "kimi-k3.1-small (random weights, seed 0)"
     RESULT["targets"] = {"repetitive_speedup": 1.8, "repetitive_acceptance": 0.6, "non_repetitive_speedup": 0.95}
@@ -260,7 +263,7 @@ def main() -> None:
             plain[(name, B)] = RESULT["cases"][-1]
             if "sets" not in secs:
                 continue
-            for adaptive in (True, False):
+            for adaptive in [m == "adaptive" for m in a.modes.split(",") if m]:
                 spec = {"method": "ngram", "k": a.k, "adaptive": adaptive}
 
                 def run_spec():
