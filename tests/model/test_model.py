@@ -87,7 +87,7 @@ def test_small_topk_selects_the_brute_force_top_k(tiny_models):
     q = ix.wq_b(cq).view(1, T, ix.n_heads, ix.head_dim)
     w = ix.weights_proj(x) * (ix.n_heads * ix.head_dim) ** -0.5
     for t in range(T):  # brute force, one query at a time, written from the definition
-        s = torch.stack([(w[0, t] * torch.relu(q[0, t] @ keys[0, j])).sum() for j in range(t + 1)])
+        s = torch.stack([(w[0, t] * torch.relu(q[0, t] @ keys[0, j])).sum() for j in range(t + 1)]).detach()
         k = min(ix.topk, t + 1)
         order = sorted(range(t + 1), key=lambda j: (-float(s[j]), j))
         assert set(torch.nonzero(mask[0, t]).flatten().tolist()) == set(order[:k]), t
