@@ -6,13 +6,14 @@ under the root (`KIMI_COMPILE_CACHE`, else `$XDG_CACHE_HOME/kimi-compile`, else 
 
     entries/<stage>/<key>/   the producer's files + meta.json {stage, key, created, files: {rel: {bytes, sha256}}}
     locks/<stage>/<key>.lock fcntl lock held while one process builds that entry
+    locks/pin/<stage>/<key>.lock  shared fcntl locks of the builds using that entry (`pinned()`): not evicted then
     tmp/                     entries being built (same filesystem, renamed into place when complete)
     stats.json               hits and misses per stage
 
 Invariants: an entry directory is visible only when complete (producer done, meta.json written, atomic rename); two
 processes building one key run the producer once and both get the entry; an entry whose files do not match its
 meta.json is a miss and is rebuilt; after each put, least recently used entries are evicted until the cache fits
-`max_bytes` (never the entry just written). A read-only cache (`KIMI_COMPILE_CACHE_READONLY=1`, for CI consumers)
+`max_bytes` (never the entry just written, nor one a build in any process has pinned). A read-only cache (`KIMI_COMPILE_CACHE_READONLY=1`, for CI consumers)
 serves hits and writes nothing: misses are built in a temporary directory removed at interpreter exit.
 
 This module imports no torch.
@@ -245,6 +246,7 @@ class CompileCache:
         # hits/misses seen by this instance, {stage: {"hits": n, "misses": n}} (the build's report uses it)
         self.session: dict[str, dict[str, int]] = {}
         self._in_use: set[Path] = set()  # entries used inside `pinned()`: not evicted until it exits
+        self._pin_fds: list[int] = []  # shared locks on their pin files: no other process evicts them either
         self._pins = 0
         self._scratch: list[Path] = []
 
@@ -312,8 +314,10 @@ class CompileCache:
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[None]:
-        """Within the block, no entry it uses is evicted (a build reads weights that later entries share with
-        earlier ones until it has written its artifact)."""
+        """Within the block, no entry it uses is evicted, by this process or another one sharing the cache (a build
+        reads weights that later entries share with earlier ones until it has written its artifact): each entry
+        looked up inside it holds a shared lock on locks/pin/<stage>/<key>.lock, which `evict` must take exclusively
+        to remove the entry."""
         self._pins += 1
         try:
             yield
@@ -321,6 +325,31 @@ class CompileCache:
             self._pins -= 1
             if not self._pins:
                 self._in_use.clear()
+                for fd in self._pin_fds:
+                    os.close(fd)  # releases the shared lock
+                self._pin_fds.clear()
+
+    def _pin_path(self, stage: str, key: str) -> Path:
+        return self.root / "locks" / "pin" / stage / f"{key}.lock"
+
+    def _hold(self, stage: str, key: str) -> None:
+        """Inside `pinned()`: the shared pin lock of (stage, key), taken before the entry is validated (an eviction
+        under way finishes first, and the lookup then sees the entry gone) and kept until `pinned()` exits."""
+        entry = self.entry_path(stage, key)
+        if not self._pins or entry in self._in_use:
+            return
+        path = self._pin_path(stage, key)
+        try:
+            if self.read_only:  # writes nothing: pins through a pin file only if one exists
+                fd = os.open(path, os.O_RDONLY)
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # none there (read-only), or a cache dir this process cannot write
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self._pin_fds.append(fd)
+        self._in_use.add(entry)
 
     def _touch(self, entry: Path) -> None:
         if self._pins:
@@ -332,6 +361,7 @@ class CompileCache:
 
     def get(self, stage: str, key: str) -> Path | None:
         """The entry directory for (stage, key), or None on a miss (absent or corrupt). Marks the entry as used."""
+        self._hold(stage, key)
         entry, problem = self._valid_entry(stage, key)
         if problem:
             log.warning("compile cache: %s/%s is corrupt (%s); treating it as a miss", stage, key[:12], problem)
@@ -343,6 +373,7 @@ class CompileCache:
     def get_or_create(self, stage: str, key: str, producer: Callable[[Path], None]) -> tuple[Path, bool]:
         """The entry for (stage, key) and whether it was a hit; on a miss `producer(dir)` writes the files into a
         fresh directory that becomes the entry. Concurrent callers of one key run the producer once."""
+        self._hold(stage, key)
         entry, problem = self._valid_entry(stage, key)
         if entry is not None:
             self._touch(entry)
@@ -530,8 +561,9 @@ class CompileCache:
                     break
                 if (protect is not None and entry == protect) or entry in self._in_use:
                     continue
-                with self._lock(f"{stage}/{key}", blocking=False) as got:
-                    if not got:  # being rebuilt right now
+                with self._lock(f"{stage}/{key}", blocking=False) as got, \
+                        self._lock(f"pin/{stage}/{key}", blocking=False) as free:
+                    if not (got and free):  # being rebuilt right now, or pinned by a build in another process
                         continue
                     self._remove_entry(entry)
                 total -= size

@@ -411,3 +411,25 @@ def test_killed_build_leaves_no_entry_and_no_lock(cc, tmp_path):
     entry, hit = cc.get_or_create("trace", "k", _writer(b"abc"))  # the lock died with the process
     assert not hit and sorted(p.name for p in entry.iterdir()) == ["graph.onnx", "meta.json", "sub"]
     assert not list((cc.root / "tmp").iterdir())  # swept after the put
+
+
+def test_an_entry_pinned_by_another_process_is_not_evicted(tmp_path):
+    """A build pins the entries it reads (their weights are read lazily until its artifact is written); a second
+    build sharing the cache must not evict them meanwhile (seen on a GPU machine: two concurrent builds, the second's
+    eviction removed the first's pass entry mid-build). Two cache objects on one root stand for two processes: the
+    pin is an fcntl lock on its own open file, which another descriptor cannot take, as another process cannot."""
+    root = tmp_path / "c"
+    blob = lambda d: (d / "w.bin").write_bytes(os.urandom(600))  # noqa: E731
+    first, second = CompileCache(root=root, max_bytes=1500), CompileCache(root=root, max_bytes=1500)
+    with first.pinned():
+        a, _ = first.get_or_create("pass", "a", blob)
+        past = time.time() - 100
+        os.utime(a, (past, past))  # the least recently used entry
+        b, _ = second.get_or_create("pass", "b", blob)
+        c, _ = second.get_or_create("pass", "c", blob)  # over max_bytes: LRU would take a, which is pinned
+        assert a.exists() and (a / "w.bin").exists()
+        assert not b.exists() and c.exists()  # the eviction took the next one instead
+        assert first.get("pass", "a") == a  # still a whole entry
+    os.utime(a, (past, past))
+    assert second.evict() == [("pass", "a")]  # unpinned: LRU applies again
+    assert not a.exists() and c.exists()
