@@ -9,10 +9,11 @@ the GPU: plugins/attn_res/cuda.py `merge` and `stage1`).
       pass 3 over D:  out = mix / sqrt(ms + norm_eps) * norm_weight, in partial's dtype
   where the torch form divides by den, the kernel multiplies by a = e^{m1 - m} / den (one rounding more; fp32 relative
   error about 1e-7).
-- `attn_res_stage1(bank, queries, eps)`: kimi.AttnResStage1 in one launch, one program per row (b, t), the K sources
-  and L queries of a row held as [K, L] scores:
-      pass 1 over D:  s[l, k] = (bank_k . q_l) / sqrt(mean(bank_k^2) + eps); m1 = max_k s, e = e^{s - m1}, l1 = sum_k e
-      pass 2 over D:  o1[l] = sum_k e[l, k] bank_k, in bank's dtype
+- `attn_res_stage1(bank, queries, eps)`: kimi.AttnResStage1 in one launch, one program per (row (b, t), query l),
+  the row's K sources as [K, BD] tiles:
+      pass 1 over D:  s[k] = (bank_k . q_l) / sqrt(mean(bank_k^2) + eps) (products and squares accumulated
+                      elementwise, reduced once); m1 = max_k s, e = e^{s - m1}, l1 = sum_k e
+      pass 2 over D:  o1[l] = sum_k e[k] bank_k, in bank's dtype
 Every sum in fp32 whatever the tensors' dtypes (float32, bfloat16, float16). D is any size (blocks of at most
 BLOCK_D elements, the last one masked); the rows' tensors are read through their strides (unit stride on D).
 No host synchronization; CUDA-graph capturable (the outputs are allocated with torch.empty).
@@ -35,7 +36,7 @@ except ImportError:  # pragma: no cover
 
 BLOCK_D = 1024  # elements of a row per step of the passes over D (smaller D: the next power of two)
 NUM_WARPS = 4
-STAGE1_MAX_SOURCES = 16  # K and L of AttnResStage1 (held as a [K, L] tile; larger ones run the torch form)
+STAGE1_MAX_SOURCES = 16  # K of AttnResStage1 (a [K, BD] tile per program; larger banks run the torch form)
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 if triton is not None:
@@ -83,43 +84,40 @@ if triton is not None:
             tl.store(out + d, y.to(OUT.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def _stage1_kernel(BANK, QS, O1, M1, L1, R, D, K, L, s_bk, s_bb, s_bt, s_q, T, eps,
-                       KP: tl.constexpr, LP: tl.constexpr, BD: tl.constexpr):
-        # scores as [KP, LP] (sources x queries); o1 [L, R, D], m1 / l1 [L, R] contiguous
+    def _stage1_kernel(BANK, QS, O1, M1, L1, R, D, K, s_bk, s_bb, s_bt, s_q, T, eps, KP: tl.constexpr,
+                       BD: tl.constexpr):
+        # grid (rows, queries): program (r, j) computes query j of row r; o1 [L, R, D], m1 / l1 [L, R] contiguous.
+        # Pass 1 accumulates the K sources' squares and products with q_j elementwise over D ([KP, BD] tiles) and
+        # reduces once at the end; pass 2 writes o1[j, r] = sum_k e[k] bank_k
         r = tl.program_id(0)
+        j = tl.program_id(1)
         b, t = r // T, r % T
         row = BANK + b.to(tl.int64) * s_bb + t.to(tl.int64) * s_bt
         ks = tl.arange(0, KP)
-        ls = tl.arange(0, LP)
         cols = tl.arange(0, BD)
+        kin = ks[:, None] < K
         ss = tl.zeros([KP, BD], tl.float32)
-        dots = tl.zeros([KP, LP], tl.float32)
+        dots = tl.zeros([KP, BD], tl.float32)
         for d0 in range(0, D, BD):
             d = d0 + cols
-            bv = tl.load(row + ks[:, None].to(tl.int64) * s_bk + d[None, :], mask=(ks[:, None] < K) & (d[None, :] < D),
+            bv = tl.load(row + ks[:, None].to(tl.int64) * s_bk + d[None, :], mask=kin & (d[None, :] < D),
                          other=0.0).to(tl.float32)
+            qv = tl.load(QS + j * s_q + d, mask=d < D, other=0.0).to(tl.float32)
             ss += bv * bv
-            for j in range(L):
-                qv = tl.load(QS + j * s_q + d, mask=d < D, other=0.0).to(tl.float32)
-                dj = tl.sum(bv * qv[None, :], 1)  # [KP]
-                dots += tl.where(ls[None, :] == j, dj[:, None], 0.0)
+            dots += bv * qv[None, :]
         inv = 1.0 / tl.sqrt(tl.sum(ss, 1) / D + eps)  # [KP]
-        s = tl.where(ks[:, None] < K, dots * inv[:, None], float("-inf"))
-        m1 = tl.max(s, 0)  # [LP]
-        e = tl.exp(s - m1[None, :])
-        e = tl.where(ks[:, None] < K, e, 0.0)
-        l1 = tl.sum(e, 0)
-        lm = ls < L
-        tl.store(M1 + ls.to(tl.int64) * R + r, m1, mask=lm)
-        tl.store(L1 + ls.to(tl.int64) * R + r, l1, mask=lm)
+        sc = tl.where(ks < K, tl.sum(dots, 1) * inv, float("-inf"))
+        m1 = tl.max(sc, 0)
+        e = tl.where(ks < K, tl.exp(sc - m1), 0.0)
+        tl.store(M1 + j.to(tl.int64) * R + r, m1)
+        tl.store(L1 + j.to(tl.int64) * R + r, tl.sum(e, 0))
+        out = O1 + (j.to(tl.int64) * R + r) * D
         for d0 in range(0, D, BD):
             d = d0 + cols
-            bv = tl.load(row + ks[:, None].to(tl.int64) * s_bk + d[None, :], mask=(ks[:, None] < K) & (d[None, :] < D),
+            bv = tl.load(row + ks[:, None].to(tl.int64) * s_bk + d[None, :], mask=kin & (d[None, :] < D),
                          other=0.0).to(tl.float32)
-            for j in range(L):
-                ej = tl.sum(tl.where(ls[None, :] == j, e, 0.0), 1)  # [KP]
-                o = tl.sum(bv * ej[:, None], 0)  # [BD]
-                tl.store(O1 + (j * R + r).to(tl.int64) * D + d, o.to(O1.dtype.element_ty), mask=d < D)
+            o = tl.sum(bv * e[:, None], 0)  # [BD]
+            tl.store(out + d, o.to(O1.dtype.element_ty), mask=d < D)
 
 
 def _interpreting() -> bool:
@@ -199,8 +197,8 @@ def unsupported_stage1(bank, queries) -> str | None:
     K, _B, _T, D = bank.shape
     if queries.dim() != 2 or queries.shape[1] != D:
         return f"attn_res_stage1: queries must be [L, D={D}], got {tuple(queries.shape)}"
-    if not (1 <= K <= STAGE1_MAX_SOURCES and 1 <= queries.shape[0] <= STAGE1_MAX_SOURCES):
-        return (f"attn_res_stage1: the kernel holds 1..{STAGE1_MAX_SOURCES} sources and queries, got K={K}, "
+    if not (1 <= K <= STAGE1_MAX_SOURCES and 1 <= queries.shape[0] <= 65535):
+        return (f"attn_res_stage1: the kernel holds 1..{STAGE1_MAX_SOURCES} sources and 1..65535 queries, got K={K}, "
                 f"L={queries.shape[0]}")
     for name, t in (("bank", bank), ("queries", queries)):
         if t.dtype not in FLOATS:
@@ -227,8 +225,8 @@ def attn_res_stage1(bank, queries, eps: float, *, out: tuple | None = None
     R = B * T
     if R == 0 or D == 0:
         return o1, m1, l1
-    kp, lp = triton.next_power_of_2(K), triton.next_power_of_2(Lq)
+    kp = triton.next_power_of_2(K)
     bd = min(_block(D), max(128, 2048 // kp))  # the [K, BD] bank tile: at most 2048 fp32 values (no spills at sm_90)
-    _stage1_kernel[(R,)](bank, queries, o1, m1, l1, R, D, K, Lq, bank.stride(0), bank.stride(1), bank.stride(2),
-                         queries.stride(0), T, float(eps), KP=kp, LP=lp, BD=bd, num_warps=NUM_WARPS)
+    _stage1_kernel[(R, Lq)](bank, queries, o1, m1, l1, R, D, K, bank.stride(0), bank.stride(1), bank.stride(2),
+                            queries.stride(0), T, float(eps), KP=kp, BD=bd, num_warps=NUM_WARPS)
     return o1, m1, l1
