@@ -2,13 +2,16 @@
 the tree had uncommitted changes), the device and the library versions.
 
 On a lent GPU machine the tree is copied without its history, and a `.git` found there may be a stale first
-checkout: pass the commit in the environment, `KIMI_COMMIT=$(git rev-parse HEAD) python bench/...`. KIMI_COMMIT wins
-over `git rev-parse HEAD` when both exist; the result says where its commit came from.
+checkout: pass the commit in the environment, `KIMI_COMMIT=<sha> python bench/...`, with the sha expanded on the machine
+that has the history (a `$(git rev-parse HEAD)` inside the command sent to the lent machine runs there and names the
+stale checkout). KIMI_COMMIT wins over `git rev-parse HEAD` when both exist; the result says where its commit came
+from, and `source_sha256` (a digest of the source files that ran) ties it to a tree whatever the commit says.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import platform
 import subprocess
@@ -27,17 +30,41 @@ def _git(*args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+SOURCE_DIRS = ("kimi_compile", "plugins", "passes", "bench", "recipes")
+
+
+def source_sha256() -> str:
+    """sha256 over the source files that ran (*.py and *.yaml under SOURCE_DIRS, by relative path and content): the
+    same value for the same tree with or without a .git, so a result can be matched to a commit afterwards (check
+    out candidates, compare) even when the commit recorded is wrong."""
+    h = hashlib.sha256()
+    files = sorted(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*")
+                   if p.suffix in (".py", ".yaml") and p.is_file() and "__pycache__" not in p.parts
+                   and "results" not in p.relative_to(ROOT).parts)
+    for p in files:
+        h.update(str(p.relative_to(ROOT)).encode() + b"\0")
+        h.update(hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
 def commit() -> dict:
     """{"commit": sha, "dirty": bool | None (tracked files modified), "commit_from": "KIMI_COMMIT" | "git" |
-    "unknown"}."""
+    "unknown", "source_sha256": source_sha256()}; with KIMI_COMMIT and a checkout at another commit, "git_head" names
+    that checkout's HEAD (a stale .git on a lent machine); at the same commit, "dirty" compares the files with it (a
+    KIMI_COMMIT taken from a stale .git shows up as dirty)."""
     env = os.environ.get("KIMI_COMMIT")
-    if env:
-        return {"commit": env, "dirty": None, "commit_from": "KIMI_COMMIT"}
     sha = _git("rev-parse", "HEAD")
-    if sha:
-        return {"commit": sha, "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
-                "commit_from": "git"}
-    return {"commit": "unknown", "dirty": None, "commit_from": "unknown"}
+    out = {"commit": "unknown", "dirty": None, "commit_from": "unknown"}
+    if env:
+        out = {"commit": env, "dirty": None, "commit_from": "KIMI_COMMIT"}
+        if sha and sha != env:
+            out["git_head"] = sha
+    elif sha:
+        out = {"commit": sha, "dirty": None, "commit_from": "git"}
+    if sha and out["commit"] == sha:
+        out["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    out["source_sha256"] = source_sha256()
+    return out
 
 
 def versions(*names: str) -> dict:
