@@ -338,6 +338,7 @@ class CompileCache:
         entry = self.entry_path(stage, key)
         if not self._pins or entry in self._in_use:
             return
+        self._in_use.add(entry)  # this process's own evictions skip it
         path = self._pin_path(stage, key)
         try:
             if self.read_only:  # writes nothing: pins through a pin file only if one exists
@@ -349,11 +350,8 @@ class CompileCache:
             return
         fcntl.flock(fd, fcntl.LOCK_SH)
         self._pin_fds.append(fd)
-        self._in_use.add(entry)
 
     def _touch(self, entry: Path) -> None:
-        if self._pins:
-            self._in_use.add(entry)
         if self.read_only:
             return
         with contextlib.suppress(OSError):
@@ -405,8 +403,6 @@ class CompileCache:
                 _rmtree(tmp)
                 raise
         self._record(stage, hit=False)
-        if self._pins:
-            self._in_use.add(final)
         self.evict(protect=final)
         return final, False
 

@@ -8,10 +8,23 @@ Imports no torch and no tensorrt.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import onnx
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def warn_fallback_once(op: str, why: str, fallback: str) -> None:
+    """A kernel chosen at build time refused the tensors it got at run time (a shape the build could not see): say so
+    once per (op, reason), naming the fallback kernel that runs instead."""
+    if (op, why) not in _WARNED:
+        _WARNED.add((op, why))
+        logging.getLogger("kimi_compile.kernels").warning("%s: the Triton kernel does not apply (%s); running %s",
+                                                          op, why, fallback)
 
 
 @dataclasses.dataclass(frozen=True)

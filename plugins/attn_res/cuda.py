@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel
+from kimi_compile.lowering import Kernel, warn_fallback_once
 
 
 def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,7 +60,7 @@ def merge_triton(x, a):
     o1, m1, l1, partial, query, norm_w = x
     why = tk.unsupported_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]))
     if why is not None:  # a shape the build could not see: say so once, run the fallback kernel
-        _warn_once("kimi.AttnResMerge", why, "torch.attn_res_merge")
+        warn_fallback_once("kimi.AttnResMerge", why, "torch.attn_res_merge")
         return merge(x, a)
     return (tk.attn_res_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]), a["eps"], a["norm_eps"]),)
 
@@ -71,20 +71,10 @@ def stage1_triton(x, a):
     bank, queries = x
     why = tk.unsupported_stage1(bank, queries)
     if why is not None:
-        _warn_once("kimi.AttnResStage1", why, "torch.attn_res_stage1")
+        warn_fallback_once("kimi.AttnResStage1", why, "torch.attn_res_stage1")
         return stage1(x, a)
     return tk.attn_res_stage1(bank, queries, a["eps"])
 
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(op: str, why: str, fallback: str) -> None:
-    import logging
-
-    if why not in _WARNED:
-        _WARNED.add(why)
-        logging.getLogger(__name__).warning("%s: the Triton kernel does not apply (%s); running %s", op, why, fallback)
 
 
 CUDA = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel
+from kimi_compile.lowering import Kernel, warn_fallback_once
 
 MASKED = -1e30
 
@@ -79,21 +79,11 @@ def indexer_topk_triton(x, a):
     codes = pool.view(torch.uint8) if pool.dtype != torch.uint8 else pool
     why = tk.unsupported(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
     if why is not None:  # a shape the build could not see: say so once, run the fallback kernel
-        _warn_once(why)
+        warn_fallback_once("kimi.IndexerTopK", why, "torch.indexer_topk")
         return indexer_topk_torch(x, a)
     return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(why: str) -> None:
-    import logging
-
-    if why not in _WARNED:
-        _WARNED.add(why)
-        logging.getLogger(__name__).warning("kimi.IndexerTopK: the Triton kernel does not apply (%s); running "
-                                            "torch.indexer_topk", why)
 
 
 CUDA = {
