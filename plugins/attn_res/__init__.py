@@ -24,17 +24,20 @@ from . import body, reference
 
 
 def _infer1(types, attrs):
+    """o1 in the bank's dtype, m1 and l1 float32 (the kernels' contract, in a bf16 graph too)."""
     bank, q = types
+    dt = bank.dtype if bank else TensorProto.FLOAT
     if not (bank and bank.shape and q and q.shape):
-        return [TensorType(None, TensorProto.FLOAT)] * 3
+        return [TensorType(None, dt), TensorType(None, TensorProto.FLOAT), TensorType(None, TensorProto.FLOAT)]
     L, (K, B, T, D) = q.shape[0], bank.shape
-    return [TensorType((L, B, T, D), TensorProto.FLOAT), TensorType((L, B, T), TensorProto.FLOAT),
+    return [TensorType((L, B, T, D), dt), TensorType((L, B, T), TensorProto.FLOAT),
             TensorType((L, B, T), TensorProto.FLOAT)]
 
 
 def _infer2(types, attrs):
+    """out in partial's dtype."""
     p = types[3]
-    return [TensorType(p.shape if p else None, TensorProto.FLOAT)]
+    return [TensorType(p.shape if p else None, p.dtype if p else TensorProto.FLOAT)]
 
 
 STAGE1 = register(OpDef("AttnResStage1", ("bank", "queries"), ("o1", "m1", "l1"), {"eps": 1e-5},

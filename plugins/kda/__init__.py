@@ -31,8 +31,9 @@ from .body import ATTRS, INPUTS, NAME, OUTPUTS
 
 def infer(types, attrs):
     x, conv_state, state = types[0], types[1], types[2]
-    return [TensorType(x.shape if x else None, TensorProto.FLOAT),
-            TensorType(conv_state.shape if conv_state else None, TensorProto.FLOAT),
+    # out in x's dtype, the conv state in its own (bf16 in a bf16 graph), the recurrent state float32
+    return [TensorType(x.shape if x else None, x.dtype if x else TensorProto.FLOAT),
+            TensorType(conv_state.shape if conv_state else None, conv_state.dtype if conv_state else TensorProto.FLOAT),
             TensorType(state.shape if state else None, TensorProto.FLOAT)]
 
 

@@ -18,8 +18,8 @@ from . import body, reference
 
 def infer(types, attrs):
     q, k, v, g, beta, state = types
-    return [TensorType(v.shape if v else None, TensorProto.FLOAT), TensorType(state.shape if state else None,
-                                                                              TensorProto.FLOAT)]
+    return [TensorType(v.shape if v else None, v.dtype if v else TensorProto.FLOAT),  # o in v's dtype
+            TensorType(state.shape if state else None, TensorProto.FLOAT)]
 
 
 OP = register(OpDef("KDARecurrence", ("q", "k", "v", "g", "beta", "state"), ("o", "final_state"), {"chunk_size": 0},

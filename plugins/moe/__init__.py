@@ -37,7 +37,7 @@ from .body import ATTRS, EXPERTS_ATTRS, EXPERTS_INPUTS, EXPERTS_NAME, EXPERTS_OU
 
 def infer(types, attrs):
     x = types[0]
-    return [TensorType(x.shape if x else None, TensorProto.FLOAT)]
+    return [TensorType(x.shape if x else None, x.dtype if x else TensorProto.FLOAT)]  # y in x's dtype
 
 
 OP = register(OpDef(NAME, INPUTS, OUTPUTS, dict(ATTRS), function=body.moe, infer=infer, reference=reference.moe,
@@ -49,7 +49,7 @@ def infer_experts(types, attrs):
     shape = None
     if x and x.shape and w_down and w_down.shape:
         shape = (*x.shape[:-1], w_down.shape[0])
-    return [TensorType(shape, TensorProto.FLOAT)]
+    return [TensorType(shape, x.dtype if x else TensorProto.FLOAT)]  # r in x's dtype
 
 
 EXPERTS = register(OpDef(EXPERTS_NAME, EXPERTS_INPUTS, EXPERTS_OUTPUTS, dict(EXPERTS_ATTRS), function=body.moe_experts,

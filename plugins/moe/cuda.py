@@ -20,11 +20,20 @@ def _act(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float) -> t
     return a * (linear_beta * torch.tanh(u / linear_beta) if linear_beta > 0 else u)
 
 
+_GATHER_BYTES = 1 << 28
+
+
 def _grouped(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """Rows of x (sorted by expert; `expert` per row, `offs` cumulative row ends) times w[e]^T, w [E, out, in]."""
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
-    return torch.bmm(w.index_select(0, expert), x.unsqueeze(-1)).squeeze(-1)
+    # each row gathers its expert's matrix: in slices of rows whose gathered matrices fit _GATHER_BYTES (a 4096-token
+    # float32 prefill chunk of the small preset would gather 192 GiB at once); static shapes, so still capturable
+    rows = max(1, _GATHER_BYTES // max(1, w[0].numel() * w.element_size()))
+    if x.shape[0] <= rows:
+        return torch.bmm(w.index_select(0, expert), x.unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.bmm(w.index_select(0, expert[i:i + rows]), x[i:i + rows].unsqueeze(-1)).squeeze(-1)
+                      for i in range(0, x.shape[0], rows)])
 
 
 def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0) -> torch.Tensor:

@@ -35,7 +35,7 @@ def infer(types, attrs):
     shape = None
     if q and q.shape and w_uv and w_uv.shape:
         shape = (*q.shape[:3], w_uv.shape[1])
-    return [TensorType(shape, TensorProto.FLOAT)]
+    return [TensorType(shape, q.dtype if q else TensorProto.FLOAT)]  # o in q_nope's dtype
 
 
 OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS,
