@@ -7,7 +7,8 @@ without speculation, at B=1 and B=8, on a repetitive and a non-repetitive prompt
         [--new-tokens 256] [--prompt-len 1024] [--oracle 0,0.3,0.6,0.8,0.9,1.0] [--oracle-k 2,4,7]
         [--verify-t 1,2,3,4,5,8,16] [--reps 3] [--modes adaptive,fixed]
 
-Sections (every case records its wall-clock medians over --reps runs after one warm-up run that captures):
+Sections (every case records its wall-clock medians over --reps runs after one warm-up run that captures; the sets
+section times plain and speculative decoding interleaved, one run of each per round):
   build   recipes/kimi-k3.1-small-cuda.yaml with backend.options.prefill_graphs on (verification forwards run from
           captured graphs, one per (batch bucket, power-of-two length)); --model DIR builds a real checkpoint
   verify  one verification forward (the prefill graph at start > 0) at T tokens per sequence against one decode
@@ -121,18 +122,54 @@ def timed(fn, reps: int) -> tuple[float, object]:
     return statistics.median(ts), out
 
 
-def decode_rate(sess, prompts, new: int, reps: int, spec=None) -> dict:
-    """Decode tokens/s after the first token: generate(new) minus generate(1) (prefill and first pick)."""
-    t_first, _ = timed(lambda: sess.generate(prompts, 1, stop_at_eos=False), reps)
-    t_all, out = timed(lambda: sess.generate(prompts, new, stop_at_eos=False, speculative=spec), reps)
-    row = {"seconds": t_all, "prefill_seconds": t_first,
-           "tokens_per_s": len(prompts) * (new - 1) / max(t_all - t_first, 1e-9), "tokens": [list(x) for x in out]}
+def _row(prompts, new: int, t_first: list[float], t_all: list[float], out, spec) -> dict:
+    first, whole = statistics.median(t_first), statistics.median(t_all)
+    row = {"seconds": whole, "prefill_seconds": first, "seconds_each": t_all, "prefill_seconds_each": t_first,
+           "tokens_per_s": len(prompts) * (new - 1) / max(whole - first, 1e-9), "tokens": [list(x) for x in out]}
     if spec is not None:
         st = out.stats
         prop = sum(s["proposed"] for s in st)
         row.update(acceptance=sum(s["accepted"] for s in st) / prop if prop else None,
                    per_request=st, forwards=out.batch["forwards"], checkpoint_rows=out.batch["checkpoint_rows"])
     return row
+
+
+def decode_rate(sess, prompts, new: int, reps: int, spec=None) -> dict:
+    """Decode tokens/s after the first token: generate(new) minus generate(1) (prefill and first pick)."""
+    t_first, _ = timed(lambda: sess.generate(prompts, 1, stop_at_eos=False), reps)
+    t_all, out = timed(lambda: sess.generate(prompts, new, stop_at_eos=False, speculative=spec), reps)
+    return _row(prompts, new, [t_first], [t_all], out, spec)
+
+
+def decode_rates(sess, prompts, new: int, reps: int, specs: dict) -> dict:
+    """decode_rate for several modes ({name: speculative option or None}) measured interleaved: one warm-up run
+    of each, then `reps` rounds that time every mode once each, so clock and thermal drift over the run fall on all
+    modes alike; medians per mode."""
+    def first():
+        return sess.generate(prompts, 1, stop_at_eos=False)
+
+    def whole(spec):
+        return sess.generate(prompts, new, stop_at_eos=False, speculative=spec)
+
+    def clock(fn):
+        sync()
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        return time.perf_counter() - t0, out
+
+    first()
+    for spec in specs.values():
+        whole(spec)
+    t_first = {m: [] for m in specs}
+    t_all = {m: [] for m in specs}
+    outs = {}
+    for _ in range(reps):
+        for m, spec in specs.items():
+            t_first[m].append(clock(first)[0])
+            t, outs[m] = clock(lambda spec=spec: whole(spec))
+            t_all[m].append(t)
+    return {m: _row(prompts, new, t_first[m], t_all[m], outs[m], spec) for m, spec in specs.items()}
 
 
 class RandomDrafter(sp.Drafter):
@@ -259,20 +296,29 @@ def main() -> None:
     for B in batches:
         for name, prompts in sets.items():
             ps = prompts[:B]
-            guarded("sets", lambda: decode_rate(sess, ps, a.new_tokens, a.reps), set=name, batch=B, mode="plain")
-            plain[(name, B)] = RESULT["cases"][-1]
-            if "sets" not in secs:
-                continue
-            for adaptive in [m == "adaptive" for m in a.modes.split(",") if m]:
-                spec = {"method": "ngram", "k": a.k, "adaptive": adaptive}
-
-                def run_spec():
-                    row = decode_rate(sess, ps, a.new_tokens, a.reps, spec)
-                    base = plain[(name, B)]
-                    row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"] if "tokens_per_s" in base else None
-                    row["equal_to_plain"] = row.pop("tokens") == base.get("tokens")
+            specs = {"plain": None}
+            if "sets" in secs:
+                specs.update({m: {"method": "ngram", "k": a.k, "adaptive": m == "adaptive"}
+                              for m in a.modes.split(",") if m})
+            try:
+                rows = decode_rates(sess, ps, a.new_tokens, a.reps, specs)
+            except Exception:  # noqa: BLE001  (recorded per mode below, the run goes on)
+                traceback.print_exc()
+                rows = None
+            for m, spec in specs.items():
+                def run(m=m):
+                    if rows is None:
+                        raise RuntimeError("the interleaved runs of this set and batch failed (traceback in the log)")
+                    row = dict(rows[m])
+                    if m != "plain":
+                        base = rows["plain"]
+                        row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
+                        row["equal_to_plain"] = row.pop("tokens") == base["tokens"]
                     return row
-                guarded("sets", run_spec, set=name, batch=B, mode="ngram", k=a.k, adaptive=adaptive)
+                where = {"mode": "plain"} if spec is None else {"mode": "ngram", "k": a.k, "adaptive": m == "adaptive"}
+                guarded("sets", run, set=name, batch=B, **where)
+                if spec is None:
+                    plain[(name, B)] = RESULT["cases"][-1]
     if "oracle" in secs:  # acceptance-controlled: tokens/s of the speculative runtime at acceptance alpha
         for B in batches:
             base = plain.get(("non_repetitive", B), {})
