@@ -26,7 +26,9 @@ section times plain and speculative decoding interleaved, one run of each per ro
 Targets (issue 19): repetitive set >= 1.8x plain tokens/s with prompt-lookup acceptance >= 0.6; non-repetitive
 set >= 0.95x (adaptation turns drafting off). Random weights (no --model, no tokenizer) ignore a prompt's
 structure: the id sets are then a repeated motif and uniform ids, and what acceptance they get says little; the
-oracle section gives the speedup at a given acceptance. A checkpoint with a tokenizer turns the text sets on.
+oracle section gives the speedup at a given acceptance. A checkpoint with a tokenizer turns the text sets on. A copy
+model (bench/copy_model.py: the preset's shapes and kernels, a next-token map with 24-token cycles) given as --model
+makes the repetitive set the map's orbits, which that model continues: prompt lookup is then accepted for real.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from copy_model import MAP_FILE, orbit  # noqa: E402
 from run_info import run_info  # noqa: E402
 
 from kimi_compile.build import build  # noqa: E402
@@ -97,15 +100,19 @@ def save(path: str) -> None:
     os.replace(tmp, path)
 
 
-def prompt_sets(sess, n: int, length: int, seed: int = 0) -> dict[str, list[list[int]]]:
+def prompt_sets(sess, n: int, length: int, seed: int = 0, copy_map=None) -> dict[str, list[list[int]]]:
     """Per set, n prompts of token ids: the text sets through the artifact's tokenizer, else ids of `length`
-    tokens (a repeated 24-token motif, and uniform ids)."""
+    tokens (a repeated 24-token motif, and uniform ids). With a copy model's map (bench/copy_model.py) the
+    repetitive prompts are orbits of it, which that model continues as prompt lookup predicts."""
     if getattr(sess, "tokenizer", None) is not None:
         return {name: [sess.encode(texts[i % len(texts)], chat=True) for i in range(n)]
                 for name, texts in TEXT_SETS.items()}
     rng = np.random.default_rng(seed)
     V = sess.vocab_size
-    rep = [np.tile(rng.integers(3, V, 24), length // 24 + 1)[:length].tolist() for _ in range(n)]
+    if copy_map is not None:
+        rep = [orbit(copy_map, int(rng.integers(3, V)), length) for _ in range(n)]
+    else:
+        rep = [np.tile(rng.integers(3, V, 24), length // 24 + 1)[:length].tolist() for _ in range(n)]
     return {"repetitive": rep, "non_repetitive": [rng.integers(3, V, length).tolist() for _ in range(n)]}
 
 
@@ -290,7 +297,12 @@ def main() -> None:
         ts = [int(x) for x in a.verify_t.split(",") if x]
         for B in batches:
             guarded("verify", lambda: verify_costs(sess, B, a.prompt_len, ts, a.reps), batch=B, context=a.prompt_len)
-    sets = prompt_sets(sess, max(batches), a.prompt_len)
+    copy_map = None
+    if a.model and (Path(a.model) / MAP_FILE).is_file():  # a copy model (bench/copy_model.py): orbit prompts
+        copy_map = json.loads((Path(a.model) / MAP_FILE).read_text())["next"]
+        RESULT["copy_model"] = {k: v for k, v in json.loads((Path(a.model) / MAP_FILE).read_text()).items()
+                                if k != "next"}
+    sets = prompt_sets(sess, max(batches), a.prompt_len, copy_map=copy_map)
     RESULT["prompt_sets"] = {k: [len(p) for p in v] for k, v in sets.items()}
     plain: dict = {}
     for B in batches:
@@ -301,14 +313,14 @@ def main() -> None:
                 specs.update({m: {"method": "ngram", "k": a.k, "adaptive": m == "adaptive"}
                               for m in a.modes.split(",") if m})
             try:
-                rows = decode_rates(sess, ps, a.new_tokens, a.reps, specs)
-            except Exception:  # noqa: BLE001  (recorded per mode below, the run goes on)
+                rows, failed = decode_rates(sess, ps, a.new_tokens, a.reps, specs), None
+            except Exception as e:  # noqa: BLE001  (recorded per mode below, the run goes on)
                 traceback.print_exc()
-                rows = None
+                rows, failed = None, e
             for m, spec in specs.items():
                 def run(m=m):
-                    if rows is None:
-                        raise RuntimeError("the interleaved runs of this set and batch failed (traceback in the log)")
+                    if failed is not None:
+                        raise failed
                     row = dict(rows[m])
                     if m != "plain":
                         base = rows["plain"]

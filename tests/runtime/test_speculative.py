@@ -409,3 +409,28 @@ def test_rollback_bytes_at_the_released_k31_size():
         assert b["paged_rows"] == k * paged
     assert sp.rollback_bytes(cfg, 1)["per_slot"] < sp.rollback_bytes(cfg, 1)["checkpoint_replay"] \
         < sp.rollback_bytes(cfg, 2)["per_slot"]
+
+
+@pytest.mark.parametrize("name", ["kimi-k3.1-tiny", "kimi-k3-tiny"])
+def test_copy_model_continues_its_orbits(name):
+    """bench/copy_model.py (the model the GPU bench measures prompt lookup on): the reference model's greedy next
+    token is the map's, on an orbit prompt and on uniform ids, and prompt lookup on an orbit proposes exactly that."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from copy_model import copy_model, orbit
+
+    model, nxt = copy_model(name, period=24, seed=3)
+    assert sorted(nxt.tolist()) == list(range(len(nxt)))  # a permutation: every id has one successor
+    o = orbit(nxt, 11, 90)
+    assert o[24] == o[0] and len(set(o[:24])) == 24
+    rand = np.random.default_rng(0).integers(3, len(nxt), 40).tolist()
+    with torch.no_grad():
+        for ids in (o, rand):
+            out = model(torch.tensor([ids]))
+            pred = (out.logits if hasattr(out, "logits") else out)[0].argmax(-1).tolist()
+            assert pred == [int(nxt[t]) for t in ids]
+    assert sp.ngram_lookup(o[:60], 4) == o[60:64]
