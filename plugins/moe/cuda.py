@@ -3,7 +3,8 @@ the tokens sorted by expert (static shapes: N*k rows whatever the routing, so th
 graph).
 
 Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
-(CPU, fp32) the same sorted layout through a gathered batched product. Selection and weights follow the op's
+(CPU, fp32) the same sorted layout through a gathered batched product. The SiTU activation of the experts and the
+shared expert is one Triton kernel on CUDA tensors (plugins/moe/triton.py), the torch form elsewhere. Selection and weights follow the op's
 contract exactly (fp32 router scores, ties to the lower expert). Deterministic: the k expert rows of a token are
 summed in a fixed order (no atomics), so two runs of a step give the same bits.
 """
@@ -18,6 +19,16 @@ from kimi_compile.lowering import Kernel
 def _act(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
     a = beta * torch.tanh(g / beta) * torch.sigmoid(g)
     return a * (linear_beta * torch.tanh(u / linear_beta) if linear_beta > 0 else u)
+
+
+def _situ(u: torch.Tensor, g: torch.Tensor, a, dt: torch.dtype) -> torch.Tensor:
+    """act(u, g) in dt, computed in fp32: the Triton kernel on CUDA tensors (one launch), else the torch form."""
+    if u.is_cuda:
+        from kimi_compile.plugins.moe import triton as tk
+
+        if tk.unsupported(u, g) is None:
+            return tk.situ(u, g, a["situ_beta"], a["situ_linear_beta"], dt)
+    return _act(u.float(), g.float(), a["situ_beta"], a["situ_linear_beta"]).to(dt)
 
 
 _GATHER_BYTES = 1 << 28
@@ -64,7 +75,7 @@ def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0) ->
     zs = z.index_select(0, token)
     gate = _grouped(zs, w1.to(dt), expert, offs)
     up = _grouped(zs, w3.to(dt), expert, offs)
-    act = _act(up.float(), gate.float(), a["situ_beta"], a["situ_linear_beta"]).to(dt)
+    act = _situ(up, gate, a, dt)
     r_sorted = _grouped(act, w2.to(dt), expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
     # back to [N, k] order (each row written once) and a sum over k: deterministic, unlike index_add_'s atomics
     r = torch.empty_like(r_sorted).index_copy_(0, order, r_sorted)
@@ -78,8 +89,7 @@ def moe(x, a):
     r = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a)
     r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + a["eps"]) * norm_w.float()
     y = r.to(dt) @ w_up.t().to(dt)
-    shared = _act((xf @ sh_up.t().to(dt)).float(), (xf @ sh_gate.t().to(dt)).float(), a["situ_beta"],
-                  a["situ_linear_beta"]).to(dt) @ sh_down.t().to(dt)
+    shared = _situ(xf @ sh_up.t().to(dt), xf @ sh_gate.t().to(dt), a, dt) @ sh_down.t().to(dt)
     return ((y + shared).reshape(shape),)
 
 

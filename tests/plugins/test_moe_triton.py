@@ -1,0 +1,86 @@
+"""The MoE's SiTU activation kernel (plugins/moe/triton.py) against the torch form it replaces on the GPU
+(plugins/moe/cuda.py `_act`), on fresh random inputs, outputs poisoned by construction (torch.empty).
+
+Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise. Tolerances:
+float32 relative error (norm) < 1e-6 and every element within 4e-6 relative + 1e-7 absolute; bfloat16 / float16
+outputs within one ulp of the fp32 torch form (the interpreter truncates casts). The refusal test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kimi_compile.plugins.moe import cuda as mcuda
+from kimi_compile.plugins.moe import triton as mtk
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+kernels = pytest.mark.skipif(mtk.triton is None or not (INTERPRET or torch.cuda.is_available()),
+                             reason="the Triton kernel needs triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _inputs(shape, dtype, gen, scale=3.0):
+    u = (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEV)
+    g = (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEV)
+    # the small-|x| branch of tanh and both signs, exactly
+    u.view(-1)[:4] = torch.tensor([0.0, 1e-4, -3e-2, 0.0625], dtype=dtype)
+    g.view(-1)[:4] = torch.tensor([-1e-5, 0.05, -0.0624, 40.0], dtype=dtype)
+    return u, g
+
+
+@kernels
+@pytest.mark.parametrize("linear_beta", [25.0, 0.0])
+@pytest.mark.parametrize("shape", [(3, 5), (1, 2048), (37, 1536)])
+def test_situ_float32_matches_the_torch_form(shape, linear_beta):
+    gen = torch.Generator().manual_seed(hash((shape, linear_beta)) % 2**31)
+    u, g = _inputs(shape, torch.float32, gen)
+    got = mtk.situ(u, g, 4.0, linear_beta, torch.float32).cpu().double()
+    want = mcuda._act(u.cpu().double(), g.cpu().double(), 4.0, linear_beta)
+    assert float((got - want).norm() / want.norm()) < 1e-6
+    assert bool(((got - want).abs() <= 4e-6 * want.abs() + 1e-7).all())
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_situ_low_precision_within_one_ulp(dtype):
+    gen = torch.Generator().manual_seed(7)
+    u, g = _inputs((64, 96), dtype, gen)
+    got = mtk.situ(u, g, 4.0, 25.0, dtype).cpu().float()
+    assert got.dtype == torch.float32 and mtk.situ(u, g, 4.0, 25.0, dtype).dtype == dtype
+    want = mcuda._act(u.cpu().float(), g.cpu().float(), 4.0, 25.0)
+    assert bool(((got - want).abs() <= want.abs() * ULP[dtype] * 1.001 + 1e-6).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or mtk.triton is None, reason="needs CUDA and triton")
+def test_moe_kernel_on_the_gpu_matches_its_torch_activation(monkeypatch):
+    """The cuda backend's MoE kernel with the Triton activation equals the same kernel with the torch form (bf16)."""
+    gen = torch.Generator().manual_seed(3)
+    N, H, E, L, F, k = 9, 64, 8, 32, 48, 3
+    r = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(torch.bfloat16).cuda()  # noqa: E731
+    x = [r(N, H), r(E, H).float(), torch.zeros(E).cuda(), r(L, H), r(E, F, L), r(E, F, L), r(E, L, F),
+         torch.ones(L).cuda(), r(H, L), r(F, H), r(F, H), r(H, F)]
+    attrs = dict(top_k=k, renormalize=1, scaling=1.5, situ_beta=4.0, situ_linear_beta=25.0, eps=1e-5)
+    (got,) = mcuda.moe(x, attrs)
+    monkeypatch.setattr(mcuda, "_situ", lambda u, g, a, dt: mcuda._act(u.float(), g.float(), a["situ_beta"],
+                                                                        a["situ_linear_beta"]).to(dt))
+    (want,) = mcuda.moe(x, attrs)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+
+
+def test_refusals_name_the_field():
+    u = torch.zeros(4, 4)
+    why = mtk.unsupported(u, u)
+    if mtk.triton is None:
+        assert why == "triton is not installed"
+        return
+    if not INTERPRET:
+        assert "CUDA device" in why
+        return
+    assert "one shape" in mtk.unsupported(u, torch.zeros(4, 5))
+    assert "u must be" in mtk.unsupported(u.to(torch.int32), u)
+    assert "g must be contiguous" in mtk.unsupported(u, u.t())
+    with pytest.raises(ValueError, match="beta must be positive"):
+        mtk.situ(u, u, 0.0, 1.0, torch.float32)
