@@ -2,7 +2,7 @@
 real prompt-lookup drafter (issue 19): random weights never repeat a prompt, so prompt lookup is never accepted on
 them and the repetitive-set target could only be shown at a forced acceptance.
 
-    python bench/copy_model.py --preset kimi-k3.1-small --out DIR [--period 24] [--seed 0]
+    python bench/copy_model.py --preset kimi-k3.1-small --out DIR [--period 24] [--seed 0] [--dtype bfloat16]
     python bench/speculative_gpu.py --model DIR --artifact ART --sections build,sets ...
 
 The model is the preset's random weights (seed) with every block's output projection zero (KDA's and MLA's o_proj,
@@ -60,10 +60,10 @@ def orbit(nxt, t0: int, n: int) -> list[int]:
 
 
 @torch.no_grad()
-def copy_model(preset_name: str, period: int = 24, seed: int = 0):
-    """(the model, next map)."""
+def copy_model(preset_name: str, period: int = 24, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """(the model, next map); weights in `dtype` (the states' parameters stay float32, as in build_model)."""
     cfg = preset(preset_name)
-    model = init_random(build_model(cfg), seed)
+    model = init_random(build_model(cfg, dtype), seed)
     nxt = next_map(cfg.vocab_size, period, seed)
     zeroed = 0
     for name, p in model.named_parameters():
@@ -85,8 +85,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--period", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="weights' dtype in the checkpoint (bfloat16, as released checkpoints ship)")
     a = ap.parse_args()
-    model, nxt = copy_model(a.preset, a.period, a.seed)
+    model, nxt = copy_model(a.preset, a.period, a.seed, getattr(torch, a.dtype))
     out = save_pretrained(model, a.out)
     tmp = out / f".{MAP_FILE}.tmp"
     tmp.write_text(json.dumps({"preset": a.preset, "period": a.period, "seed": a.seed, "next": nxt.tolist()}))

@@ -31,6 +31,19 @@ def _situ(u: torch.Tensor, g: torch.Tensor, a, dt: torch.dtype) -> torch.Tensor:
     return _act(u.float(), g.float(), a["situ_beta"], a["situ_linear_beta"]).to(dt)
 
 
+def _route(s: torch.Tensor, bias: torch.Tensor, k: int, a):
+    """(idx, weights) from the Triton router kernel on CUDA tensors, else None (the caller's torch form)."""
+    if not s.is_cuda:
+        return None
+    from kimi_compile.plugins.moe import triton as tk
+
+    return tk.route(s, bias, k, bool(a["renormalize"]), a["scaling"])
+
+
+def _norm(r: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+
+
 _GATHER_BYTES = 1 << 28
 
 
@@ -47,19 +60,24 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, expert: torch.Tensor, offs: torch
                       for i in range(0, x.shape[0], rows)])
 
 
-def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0) -> torch.Tensor:
+def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0, rows: bool = False) -> torch.Tensor:
     """r [N, L] fp32: the weighted latent sum over the held experts (global ids offset .. offset + w1.shape[0] - 1);
-    a selected expert held elsewhere gets weight 0 and a clamped index (N*k rows whatever the routing)."""
+    a selected expert held elsewhere gets weight 0 and a clamped index (N*k rows whatever the routing). `rows`: the
+    k weighted expert rows of each token instead, [N * k, L] (token-major), for a caller that sums them itself."""
     dt = h.dtype
     k, E = int(a["top_k"]), w1.shape[0]
     xf = h.reshape(-1, h.shape[-1])
     s = torch.sigmoid(xf.float() @ router_w.float().t())
-    choice = s + router_bias.float()
-    idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]  # ties -> lower expert
-    wk = s.gather(-1, idx)
-    if a["renormalize"]:
-        wk = wk / wk.sum(-1, keepdim=True)
-    wk = wk * a["scaling"]
+    picked = _route(s, router_bias, k, a)
+    if picked is None:
+        choice = s + router_bias.float()
+        idx = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :k]  # ties -> lower expert
+        wk = s.gather(-1, idx)
+        if a["renormalize"]:
+            wk = wk / wk.sum(-1, keepdim=True)
+        wk = wk * a["scaling"]
+    else:
+        idx, wk = picked
     if offset or E != router_w.shape[0]:
         local = idx - offset
         held = (local >= 0) & (local < E)
@@ -79,16 +97,23 @@ def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0) ->
     r_sorted = _grouped(act, w2.to(dt), expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
     # back to [N, k] order (each row written once) and a sum over k: deterministic, unlike index_add_'s atomics
     r = torch.empty_like(r_sorted).index_copy_(0, order, r_sorted)
-    return r.reshape(xf.shape[0], k, -1).sum(1)
+    return r if rows else r.reshape(xf.shape[0], k, -1).sum(1)
 
 
 def moe(x, a):
     (h, router_w, router_bias, w_down, w1, w3, w2, norm_w, w_up, sh_gate, sh_up, sh_down) = x
     shape, dt = h.shape, h.dtype
     xf = h.reshape(-1, shape[-1])
-    r = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a)
-    r = r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + a["eps"]) * norm_w.float()
-    y = r.to(dt) @ w_up.t().to(dt)
+    if h.is_cuda:  # the sum over k and the RMSNorm in one kernel where it applies
+        from kimi_compile.plugins.moe import triton as tk
+
+        rk = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, rows=True)
+        rn = tk.sum_norm(rk, int(a["top_k"]), norm_w, a["eps"], dt)
+        if rn is None:
+            rn = _norm(rk.reshape(xf.shape[0], int(a["top_k"]), -1).sum(1), norm_w, a["eps"]).to(dt)
+    else:
+        rn = _norm(_routed(h, router_w, router_bias, w_down, w1, w3, w2, a), norm_w, a["eps"]).to(dt)
+    y = rn @ w_up.t().to(dt)
     shared = _situ(xf @ sh_up.t().to(dt), xf @ sh_gate.t().to(dt), a, dt) @ sh_down.t().to(dt)
     return ((y + shared).reshape(shape),)
 

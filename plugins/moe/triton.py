@@ -1,5 +1,5 @@
-"""Triton kernel of the MoE's SiTU activation (kimi.MoE / kimi.MoEExperts on the cuda backend): the experts' and the
-shared expert's
+"""Triton kernels of kimi.MoE / kimi.MoEExperts on the cuda backend. The SiTU activation of the experts and the
+shared expert,
 
     act(u, g) = beta * tanh(g / beta) * sigmoid(g) * (linear_beta * tanh(u / linear_beta)  if linear_beta > 0 else u)
 
@@ -7,6 +7,10 @@ in one launch, read in the inputs' dtype, computed in fp32, written in the outpu
 (plugins/moe/cuda.py `_act` with its casts) issues about a dozen elementwise kernels per call, two calls per MoE node;
 in a CUDA-graph decode step each is a launch. tanh is computed from exp (|x| >= 2^-4) or its Taylor series to x^7
 (below), within 2 fp32 ulps of torch.tanh over the range the tests cover.
+
+Also the router's selection after its sigmoid (`route`: top-k of s + bias with ties to the lower expert, the
+weights gathered, renormalized and scaled; 7 torch operations) and the routed path's sum over the k experts with the
+RMSNorm that follows it (`sum_norm`: 9 operations), one launch each; both return None where they do not apply.
 
 `situ(u, g, beta, linear_beta, dtype)` refuses (ValueError naming the field) what the kernel does not take;
 `unsupported(u, g)` says why without raising (None when it applies). Runs on CUDA tensors, or on CPU tensors under
@@ -52,6 +56,43 @@ if triton is not None:
         tl.store(OUT + offs, (a * u).to(OUT.dtype.element_ty), mask=m)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(S, BIAS, IDX, WK, E, scaling, K: tl.constexpr, KP: tl.constexpr, RENORM: tl.constexpr,
+                      BLOCK_E: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        s = tl.load(S + row * E + e, mask=e < E, other=0.0)
+        choice = s + tl.load(BIAS + e, mask=e < E, other=0.0).to(tl.float32)
+        choice = tl.where(e < E, choice, float("-inf"))
+        ks = tl.arange(0, KP)  # K slots padded to a power of two
+        picked = tl.zeros([KP], dtype=tl.int32)
+        weight = tl.zeros([KP], dtype=tl.float32)
+        for j in tl.static_range(K):  # the largest choice, ties to the lower expert (the stable descending sort)
+            m = tl.max(choice, axis=0)
+            i = tl.min(tl.where(choice == m, e, BLOCK_E), axis=0)
+            picked = tl.where(ks == j, i, picked)
+            weight = tl.where(ks == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), weight)
+            choice = tl.where(e == i, float("-inf"), choice)
+        if RENORM:
+            weight = weight / tl.sum(weight, axis=0)
+        tl.store(IDX + row * K + ks, picked.to(tl.int64), mask=ks < K)
+        tl.store(WK + row * K + ks, weight * scaling, mask=ks < K)
+
+    @triton.jit
+    def _norm_kernel(R, W, OUT, L, eps, K: tl.constexpr, BLOCK_L: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        d = tl.arange(0, BLOCK_L)
+        m = d < L
+        acc = tl.zeros([BLOCK_L], dtype=tl.float32)
+        for j in tl.static_range(K):  # the k expert rows of the token, summed in a fixed order
+            acc += tl.load(R + (row * K + j) * L + d, mask=m, other=0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(acc * acc, axis=0) / L + eps)
+        w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + row * L + d, (acc * inv * w).to(OUT.dtype.element_ty), mask=m)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -86,4 +127,40 @@ def situ(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float, dtyp
     if n:
         _situ_kernel[(triton.cdiv(n, BLOCK),)](u, g, out, n, float(beta), float(linear_beta),
                                                LINEAR=linear_beta > 0, BLOCK=BLOCK)
+    return out
+
+
+MAX_EXPERTS = 1024  # E of the router kernel (one row of choices per program)
+MAX_LATENT = 8192  # L of the norm kernel (one latent row per program)
+
+
+def route(s: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scaling: float
+          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The router's selection from s = sigmoid(logits) [N, E] float32: (idx [N, k] int64, weights [N, k] float32)
+    exactly as the torch form picks (top-k of s + bias, ties to the lower expert; weights s at idx, renormalized,
+    scaled). None when the kernel does not apply (the caller runs the torch form)."""
+    if triton is None or not (s.is_cuda or _interpreting()) or s.dim() != 2 or s.dtype != torch.float32 \
+            or not s.is_contiguous() or bias.dim() != 1 or bias.shape[0] != s.shape[1] or not 1 <= k <= s.shape[1] \
+            or s.shape[1] > MAX_EXPERTS or bias.dtype not in FLOATS or bias.device != s.device:
+        return None
+    N, E = s.shape
+    idx = torch.empty(N, k, dtype=torch.int64, device=s.device)
+    wk = torch.empty(N, k, dtype=torch.float32, device=s.device)
+    if N:
+        _route_kernel[(N,)](s, bias.contiguous(), idx, wk, E, float(scaling), K=k, KP=triton.next_power_of_2(k), RENORM=bool(renormalize),
+                            BLOCK_E=triton.next_power_of_2(E))
+    return idx, wk
+
+
+def sum_norm(r: torch.Tensor, k: int, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """r [N * k, L] float32 (a token's k expert rows together) -> RMSNorm(sum over k) * weight in `dtype` [N, L];
+    None when the kernel does not apply."""
+    if triton is None or not (r.is_cuda or _interpreting()) or r.dim() != 2 or r.dtype != torch.float32 \
+            or not r.is_contiguous() or r.shape[0] % k or r.shape[1] > MAX_LATENT or weight.shape != (r.shape[1],) \
+            or weight.dtype not in FLOATS or weight.device != r.device or dtype not in FLOATS:
+        return None
+    N, L = r.shape[0] // k, r.shape[1]
+    out = torch.empty(N, L, dtype=dtype, device=r.device)
+    if N:
+        _norm_kernel[(N,)](r, weight.contiguous(), out, L, float(eps), K=k, BLOCK_L=triton.next_power_of_2(L))
     return out

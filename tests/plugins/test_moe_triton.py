@@ -1,5 +1,6 @@
-"""The MoE's SiTU activation kernel (plugins/moe/triton.py) against the torch form it replaces on the GPU
-(plugins/moe/cuda.py `_act`), on fresh random inputs, outputs poisoned by construction (torch.empty).
+"""The MoE's Triton kernels (plugins/moe/triton.py: SiTU activation, router selection, sum over k with the RMSNorm)
+against the torch forms they replace on the GPU (plugins/moe/cuda.py), on fresh random inputs, outputs poisoned by
+construction (torch.empty). The router's expert ids must equal the torch form's exactly, ties included.
 
 Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise. Tolerances:
 float32 relative error (norm) < 1e-6 and every element within 4e-6 relative + 1e-7 absolute; bfloat16 / float16
@@ -56,7 +57,8 @@ def test_situ_low_precision_within_one_ulp(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or mtk.triton is None, reason="needs CUDA and triton")
 def test_moe_kernel_on_the_gpu_matches_its_torch_activation(monkeypatch):
-    """The cuda backend's MoE kernel with the Triton activation equals the same kernel with the torch form (bf16)."""
+    """The cuda backend's MoE kernel with the Triton kernels (activation, router, sum and norm) equals the same kernel
+    with the torch forms (bf16)."""
     gen = torch.Generator().manual_seed(3)
     N, H, E, L, F, k = 9, 64, 8, 32, 48, 3
     r = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(torch.bfloat16).cuda()  # noqa: E731
@@ -66,6 +68,8 @@ def test_moe_kernel_on_the_gpu_matches_its_torch_activation(monkeypatch):
     (got,) = mcuda.moe(x, attrs)
     monkeypatch.setattr(mcuda, "_situ", lambda u, g, a, dt: mcuda._act(u.float(), g.float(), a["situ_beta"],
                                                                         a["situ_linear_beta"]).to(dt))
+    monkeypatch.setattr(mcuda, "_route", lambda *args: None)
+    monkeypatch.setattr(mtk, "sum_norm", lambda *args: None)
     (want,) = mcuda.moe(x, attrs)
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
@@ -84,3 +88,55 @@ def test_refusals_name_the_field():
     assert "g must be contiguous" in mtk.unsupported(u, u.t())
     with pytest.raises(ValueError, match="beta must be positive"):
         mtk.situ(u, u, 0.0, 1.0, torch.float32)
+
+
+def _route_torch(s, bias, k, renorm, scaling):
+    idx = torch.sort(s + bias.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    wk = s.gather(-1, idx)
+    if renorm:
+        wk = wk / wk.sum(-1, keepdim=True)
+    return idx, wk * scaling
+
+
+@kernels
+@pytest.mark.parametrize("E,k,renorm", [(64, 8, True), (384, 8, True), (10, 3, False), (64, 1, True)])
+def test_route_picks_the_torch_forms_experts_ties_included(E, k, renorm):
+    gen = torch.Generator().manual_seed(E * 10 + k)
+    N = 37
+    s = torch.sigmoid(torch.randn(N, E, generator=gen) * 2)
+    bias = (torch.randn(E, generator=gen) * 0.1).to(torch.bfloat16)
+    s[0] = 0.5  # a row of ties: the lower experts win
+    s[1, : E // 2] = s[1, E // 2:]  # pairs of equal choices where the bias is equal too
+    bias[: E // 2] = bias[E // 2: 2 * (E // 2)]
+    got = mtk.route(s.to(DEV), bias.to(DEV), k, renorm, 2.5)
+    assert got is not None
+    want = _route_torch(s, bias, k, renorm, 2.5)
+    assert torch.equal(got[0].cpu(), want[0])
+    assert float((got[1].cpu() - want[1]).abs().max()) <= 1e-6 * float(want[1].abs().max())
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,L", [(8, 1024), (3, 200)])
+def test_sum_norm_matches_the_torch_form(dtype, k, L):
+    gen = torch.Generator().manual_seed(k * L)
+    N = 5
+    r = torch.randn(N * k, L, generator=gen)
+    w = (1 + 0.1 * torch.randn(L, generator=gen)).to(dtype)
+    got = mtk.sum_norm(r.to(DEV), k, w.to(DEV), 1e-5, dtype)
+    assert got is not None and got.dtype == dtype and got.shape == (N, L)
+    want = mcuda._norm(r.reshape(N, k, L).sum(1), w, 1e-5)
+    if dtype == torch.float32:
+        assert float((got.cpu() - want).norm() / want.norm()) < 1e-6
+    else:
+        g = got.cpu().float()
+        assert bool(((g - want).abs() <= want.abs() * ULP[dtype] * 1.001 + 1e-6 * want.abs().max()).all())
+
+
+def test_route_and_sum_norm_decline_what_they_do_not_take():
+    s = torch.rand(4, 8)
+    assert mtk.route(s.double(), torch.zeros(8), 2, True, 1.0) is None
+    assert mtk.route(s, torch.zeros(7), 2, True, 1.0) is None
+    assert mtk.route(s, torch.zeros(8), 9, True, 1.0) is None
+    assert mtk.sum_norm(torch.rand(7, 4), 2, torch.ones(4), 1e-5, torch.float32) is None  # 7 rows, k = 2
+    assert mtk.sum_norm(torch.rand(8, 4), 2, torch.ones(5), 1e-5, torch.float32) is None
