@@ -1,11 +1,15 @@
 """cuda backend kernels for the quantization ops: the torch twins of the references (plugins/quant/reference.py,
-bit-identical codes and scales) on any device; float8 outputs as torch float8 tensors over the same bytes."""
+bit-identical codes and scales) on any device; float8 outputs as torch float8 tensors over the same bytes.
+
+kimi.QuantizeMX and kimi.QDQMX (block 32, E4M3, floor or ceil rounding: the indexer's MXFP8 Q and K) run Triton
+kernels on the GPU by default (plugins/quant/triton.py: one launch to quantize, one to dequantize, where the torch
+twins issue 37 and 44 operations); their torch twins are the one fallback and what the CPU runs."""
 
 from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel
+from kimi_compile.lowering import Kernel, warn_fallback_once
 
 _F8 = {17: torch.float8_e4m3fn, 19: torch.float8_e5m2}
 _ELEM = {17: "e4m3", 19: "e5m2"}
@@ -57,11 +61,61 @@ def qdq_fp8_tile(x, a):
     return (dequantize_fp8_tile([q, s], a)[0].to(x[0].dtype),)
 
 
+def _mx_triton_supports(values, attrs) -> str | None:
+    """Build-time check: the Triton MX kernels take block 32, E4M3 and floor / ceil rounding (the shape's last dim
+    is checked when they run)."""
+    from kimi_compile.plugins.quant import triton as tk
+
+    if tk.triton is None:
+        return "triton is not installed"
+    if int(attrs.get("block", 32)) != 32 or int(attrs.get("elem_type", 17)) != 17:
+        return f"block / elem_type: the Triton MX kernels take block 32 and E4M3 (17), got block " \
+               f"{attrs.get('block')} and elem_type {attrs.get('elem_type')}"
+    if attrs.get("rounding", "floor") not in ("floor", "ceil"):
+        return f"rounding: the Triton MX kernels round floor or ceil, got {attrs.get('rounding')!r}"
+    return None
+
+
+def _mx_triton_refuses(x: torch.Tensor) -> str | None:
+    if not x.is_cuda:
+        return f"x is on {x.device}, not a CUDA device"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"x must be float32, bfloat16 or float16, got {x.dtype}"
+    D = x.shape[-1] if x.dim() else 0
+    if D < 32 or D & (D - 1):
+        return f"x's last dim must be a power of two of at least 32, got shape {tuple(x.shape)}"
+    return None
+
+
+def quantize_mx_triton(x, a):
+    from kimi_compile.plugins.quant import triton as tk
+
+    why = _mx_triton_refuses(x[0])
+    if why is not None:
+        warn_fallback_once("kimi.QuantizeMX", why, "torch.mx_quantize")
+        return quantize_mx(x, a)
+    q, s = tk.mxfp8_quantize(x[0], a["rounding"])
+    return q.view(torch.float8_e4m3fn), s
+
+
+def qdq_mx_triton(x, a):
+    from kimi_compile.plugins.quant import triton as tk
+
+    why = _mx_triton_refuses(x[0])
+    if why is not None:
+        warn_fallback_once("kimi.QDQMX", why, "torch.mx_qdq")
+        return qdq_mx(x, a)
+    q, s = tk.mxfp8_quantize(x[0], a["rounding"])
+    return (tk.mxfp8_dequantize(q, s, x[0].dtype),)
+
+
 _ANY = ("cuda", "cpu")
 CUDA = {
-    "QuantizeMX": Kernel(quantize_mx, devices=_ANY, name="torch.mx_quantize"),
+    "QuantizeMX": Kernel(quantize_mx_triton, supports=_mx_triton_supports, name="triton.mx_quantize",
+                         fallback=Kernel(quantize_mx, devices=_ANY, name="torch.mx_quantize")),
     "DequantizeMX": Kernel(dequantize_mx, devices=_ANY, name="torch.mx_dequantize"),
-    "QDQMX": Kernel(qdq_mx, devices=_ANY, name="torch.mx_qdq"),
+    "QDQMX": Kernel(qdq_mx_triton, supports=_mx_triton_supports, name="triton.mx_qdq",
+                    fallback=Kernel(qdq_mx, devices=_ANY, name="torch.mx_qdq")),
     "QuantizeFP8Tile": Kernel(quantize_fp8_tile, devices=_ANY, name="torch.fp8_tile_quantize"),
     "DequantizeFP8Tile": Kernel(dequantize_fp8_tile, devices=_ANY, name="torch.fp8_tile_dequantize"),
     "QDQFP8Tile": Kernel(qdq_fp8_tile, devices=_ANY, name="torch.fp8_tile_qdq"),

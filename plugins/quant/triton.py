@@ -4,6 +4,8 @@ gives the pools (semantics: plugins/quant/reference.py, `mx_quantize`).
 - `mxfp8_quantize_to_cache(x, slot_mapping, codes, scales, rounding)`: the index-K cache (index_k_cache mxfp8,
   block 32): x [N, D] -> E4M3 codes [NB, BS, D] uint8 and E8M0 scales [NB, BS, D / 32] uint8 at the flat slots
   slot_mapping[n] (block * BS + row; < 0 = skip). rounding "floor" (OCP, saturating) or "ceil" (no saturation).
+- `mxfp8_quantize(x, rounding)` / `mxfp8_dequantize(codes, scales, dtype)`: the same codes and scales as plain tensors,
+  and back (kimi.QuantizeMX and kimi.QDQMX on the cuda backend, block 32, E4M3).
 - `mla_fp8_quantize_to_cache(c_kv, k_pe, slot_mapping, kv_codes, kv_scales, kv_rope)`: the latent KV cache
   (latent_kv_cache fp8_tile, tile 128, scale_fmt ue8m0, latent_rope keep): c_kv [N, 512] -> E4M3 codes
   [NB, BS, 512] uint8 and one E8M0 byte per 128-element tile [NB, BS, 4] uint8 (rounding "ceil": the scale is the
@@ -66,6 +68,27 @@ if triton is not None:
             tl.store(ROPE + slot[:, None] * PE + tl.arange(0, PE)[None, :], pe.to(tl.bfloat16), mask=ok[:, None])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _mx_dequant_kernel(CODES, SCALES, OUT, N, D: tl.constexpr, BLOCK: tl.constexpr, BR: tl.constexpr):
+        # codes [N, D] uint8 (E4M3) and E8M0 scales [N, D / BLOCK] -> OUT [N, D] = code * 2^(scale - 127), a block
+        # with scale 0xFF NaN; 2^-127 taken as 2^-126 * 0.5 (one rounding, as a float32 product with 2^-127)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = rows < N
+        r64 = rows.to(tl.int64)
+        code = tl.load(CODES + r64[:, None] * D + tl.arange(0, D)[None, :], mask=rm[:, None], other=0)
+        v = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sc = tl.load(SCALES + r64[:, None] * (D // BLOCK) + tl.arange(0, D // BLOCK)[None, :], mask=rm[:, None],
+                     other=127).to(tl.int32)
+        e = sc - 127
+        f = _pow2(tl.maximum(e, -126)) * tl.where(e < -126, 0.5, 1.0)
+        vb = tl.reshape(v, [BR, D // BLOCK, BLOCK]) * f[:, :, None]
+        vb = tl.where((sc == 255)[:, :, None], float("nan"), vb)
+        tl.store(OUT + r64[:, None] * D + tl.arange(0, D)[None, :], tl.reshape(vb, [BR, D]).to(OUT.dtype.element_ty),
+                 mask=rm[:, None])
+
+
 def _need(ok: bool, msg: str) -> None:
     if not ok:
         raise ValueError(msg)
@@ -102,6 +125,29 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tens
     scales = torch.empty(n, 1, D // 32, dtype=torch.uint8, device=x.device)
     mxfp8_quantize_to_cache(x2, torch.arange(n, device=x.device), codes, scales, rounding)
     return codes.reshape(x.shape), scales.reshape(*x.shape[:-1], D // 32)
+
+
+def mxfp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = 32
+                     ) -> torch.Tensor:
+    """codes [..., D] (E4M3 bytes: uint8 or float8_e4m3fn) and E8M0 scales [..., D / block] uint8 -> values [..., D]
+    in `dtype`: code * 2^(scale - 127), NaN where the scale byte is 0xFF (kimi.DequantizeMX's semantics)."""
+    if triton is None:
+        raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
+    D = codes.shape[-1]
+    _need(D % block == 0 and tuple(scales.shape) == (*codes.shape[:-1], D // block),
+          f"mxfp8_dequantize: scales must be {(*codes.shape[:-1], D // block)} for codes {tuple(codes.shape)}, "
+          f"got {tuple(scales.shape)}")
+    _need(D & (D - 1) == 0 and D >= block, f"mxfp8_dequantize: the last dim must be a power of two, got {D}")
+    _need(scales.dtype == torch.uint8 and codes.dtype in (torch.uint8, torch.float8_e4m3fn),
+          f"mxfp8_dequantize: codes must be uint8 or float8_e4m3fn and scales uint8, got {codes.dtype}, {scales.dtype}")
+    c = codes.reshape(-1, D).contiguous().view(torch.uint8)
+    sc = scales.reshape(-1, D // block).contiguous()
+    n = c.shape[0]
+    out = torch.empty(n, D, dtype=dtype, device=codes.device)
+    if n:
+        br = 16
+        _mx_dequant_kernel[(triton.cdiv(n, br),)](c, sc, out, n, D=D, BLOCK=block, BR=br, num_warps=4)
+    return out.reshape(codes.shape)
 
 
 def mla_fp8_quantize_to_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,

@@ -190,6 +190,53 @@ def test_mxfp8_quantize_to_cache(rounding):
     assert bool((scales.view(-1, 4).cpu()[~written] == 0xAB).all())
 
 
+@pytest.mark.skipif(qtk.triton is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
+def test_mxfp8_dequantize_exact():
+    """code * 2^(scale - 127) exactly (fp32 out), NaN blocks where the scale is 0xFF, the 2^-127 scale (an all-tiny
+    block) included; bf16 out is that value rounded (within one ulp: the interpreter truncates), checked where it is
+    a normal number."""
+    from kimi_compile.plugins.quant.reference import mx_dequantize_torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(70, 128, generator=gen) * torch.exp(torch.randn(70, 1, generator=gen) * 3)
+    x[3, :32], x[4, 40], x[5, 64:96] = 0, float("nan"), 1e-39
+    c, s = mx_quantize_torch(x, block=32, rounding="floor")
+    assert int(s[5, 2]) == 0  # the scale 2^-127 is exercised
+    want = mx_dequantize_torch(c, s).float()
+    got = qtk.mxfp8_dequantize(c.to(dev), s.to(dev), torch.float32).cpu()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    got16 = qtk.mxfp8_dequantize(c.view(torch.float8_e4m3fn).to(dev), s.to(dev), torch.bfloat16).cpu().float()
+    # normal values only: Triton's interpreter mis-rounds float32 -> bf16 below 2^-126 (4.4e-39 for 1.0e-39)
+    ok = torch.isnan(want) | (want.abs() < 2.0**-126) | ((got16 - want).abs() <= want.abs() * 2.0**-7)
+    assert bool(ok.all())
+    with pytest.raises(ValueError, match="scales must be"):
+        qtk.mxfp8_dequantize(c, s[:, :2], torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        qtk.mxfp8_dequantize(c[:, :96], s[:, :3], torch.float32)
+
+
+@gpu
+@pytest.mark.parametrize("rounding", ["floor", "ceil"])
+def test_quantize_and_qdq_mx_kernels_equal_their_torch_twins(rounding):
+    """The cuda backend's kimi.QuantizeMX / kimi.QDQMX Triton kernels give the torch twins' bytes and values."""
+    from kimi_compile.plugins.quant import cuda as qcuda
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 37, 128, generator=gen) * torch.exp(torch.randn(3, 37, 1, generator=gen) * 3)).bfloat16()
+    x[0, 1, :32], x[1, 2, 7] = 0, float("nan")
+    a = {"block": 32, "elem_type": 17, "rounding": rounding}
+    q, s = qcuda.quantize_mx_triton([x.cuda()], a)
+    rq, rs = qcuda.quantize_mx([x.cuda()], a)
+    assert q.dtype == rq.dtype and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    (y,) = qcuda.qdq_mx_triton([x.cuda()], a)
+    (ry,) = qcuda.qdq_mx([x.cuda()], a)
+    assert y.dtype == ry.dtype == torch.bfloat16
+    assert torch.equal(torch.isnan(y), torch.isnan(ry)) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(ry))
+
+
 @gpu
 def test_mla_fp8_quantize_to_cache():
     """The latent cache's three pools: codes and E8M0 bytes equal the quant oracle's (block 128, ceil: the quantize
@@ -557,3 +604,24 @@ def test_kda_prefill_fused():
     out, S = ktk.kda_prefill_fused(*(x.to(DEV) for x in (xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, ow)))
     assert rel(out, ref) < 1e-2
     assert rel(S, rS) < 1e-2
+
+
+def test_mx_kernels_refuse_and_fall_back_with_reasons(caplog):
+    """Build-time refusals name the attribute; at run time a tensor the kernels do not take (CPU, a last dim that is
+    not a power of two) runs the torch twin, said once."""
+    from kimi_compile.plugins.quant import cuda as qcuda
+
+    if qtk.triton is not None:
+        assert "block 32" in qcuda._mx_triton_supports([], {"block": 16, "elem_type": 17, "rounding": "floor"})
+        assert "rounding" in qcuda._mx_triton_supports([], {"block": 32, "elem_type": 17, "rounding": "rne"})
+        assert qcuda._mx_triton_supports([], {"block": 32, "elem_type": 17, "rounding": "ceil"}) is None
+    assert "not a CUDA device" in qcuda._mx_triton_refuses(torch.zeros(2, 96))
+    x = torch.randn(4, 64)
+    a = {"block": 32, "elem_type": 17, "rounding": "floor"}
+    with caplog.at_level("WARNING", logger="kimi_compile.kernels"):
+        q, s = qcuda.quantize_mx_triton([x], a)
+        (y,) = qcuda.qdq_mx_triton([x], a)
+    rq, rs = qcuda.quantize_mx([x], a)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(y, qcuda.qdq_mx([x], a)[0])
+    assert "running torch.mx_quantize" in caplog.text and "running torch.mx_qdq" in caplog.text
