@@ -87,26 +87,29 @@ def _mx_triton_refuses(x: torch.Tensor) -> str | None:
     return None
 
 
-def quantize_mx_triton(x, a):
-    from kimi_compile.plugins.quant import triton as tk
-
+def _triton_codes(x, a, op: str, fallback: str):
+    """(codes, scales) from the Triton quantize kernel, or None after saying once why `fallback` runs instead."""
     why = _mx_triton_refuses(x[0])
     if why is not None:
-        warn_fallback_once("kimi.QuantizeMX", why, "torch.mx_quantize")
-        return quantize_mx(x, a)
-    q, s = tk.mxfp8_quantize(x[0], a["rounding"])
-    return q.view(torch.float8_e4m3fn), s
+        warn_fallback_once(op, why, fallback)
+        return None
+    from kimi_compile.plugins.quant import triton as tk
+
+    return tk.mxfp8_quantize(x[0], a["rounding"])
+
+
+def quantize_mx_triton(x, a):
+    qs = _triton_codes(x, a, "kimi.QuantizeMX", "torch.mx_quantize")
+    return quantize_mx(x, a) if qs is None else (qs[0].view(torch.float8_e4m3fn), qs[1])
 
 
 def qdq_mx_triton(x, a):
+    qs = _triton_codes(x, a, "kimi.QDQMX", "torch.mx_qdq")
+    if qs is None:
+        return qdq_mx(x, a)
     from kimi_compile.plugins.quant import triton as tk
 
-    why = _mx_triton_refuses(x[0])
-    if why is not None:
-        warn_fallback_once("kimi.QDQMX", why, "torch.mx_qdq")
-        return qdq_mx(x, a)
-    q, s = tk.mxfp8_quantize(x[0], a["rounding"])
-    return (tk.mxfp8_dequantize(q, s, x[0].dtype),)
+    return (tk.mxfp8_dequantize(qs[0], qs[1], x[0].dtype),)
 
 
 _ANY = ("cuda", "cpu")
