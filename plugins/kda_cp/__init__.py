@@ -52,8 +52,8 @@ def _infer_map(types, attrs):
 
 def _infer_replay(types, attrs):
     x, conv_state, state = types[0], types[1], types[2]
-    return [TensorType(x.shape if x else None, TensorProto.FLOAT),
-            TensorType(conv_state.shape if conv_state else None, TensorProto.FLOAT),
+    return [TensorType(x.shape if x else None, x.dtype if x else TensorProto.FLOAT),  # as kimi.KDA's
+            TensorType(conv_state.shape if conv_state else None, conv_state.dtype if conv_state else TensorProto.FLOAT),
             TensorType(state.shape if state else None, TensorProto.FLOAT)]
 
 

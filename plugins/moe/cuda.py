@@ -23,7 +23,7 @@ def _act(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float) -> t
 
 def _situ(u: torch.Tensor, g: torch.Tensor, a, dt: torch.dtype) -> torch.Tensor:
     """act(u, g) in dt, computed in fp32: the Triton kernel on CUDA tensors (one launch), else the torch form."""
-    if u.is_cuda:
+    if u.is_cuda and a["situ_beta"] > 0:
         from kimi_compile.plugins.moe import triton as tk
 
         if tk.unsupported(u, g) is None:

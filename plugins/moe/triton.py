@@ -65,16 +65,18 @@ if triton is not None:
         e = tl.arange(0, BLOCK_E)
         s = tl.load(S + row * E + e, mask=e < E, other=0.0)
         choice = s + tl.load(BIAS + e, mask=e < E, other=0.0).to(tl.float32)
-        choice = tl.where(e < E, choice, float("-inf"))
+        choice = tl.where(choice != choice, float("inf"), choice)  # NaN first, as the descending sort puts it
+        taken = e >= E  # the padding lanes never win
         ks = tl.arange(0, KP)  # K slots padded to a power of two
         picked = tl.zeros([KP], dtype=tl.int32)
         weight = tl.zeros([KP], dtype=tl.float32)
-        for j in tl.static_range(K):  # the largest choice, ties to the lower expert (the stable descending sort)
-            m = tl.max(choice, axis=0)
-            i = tl.min(tl.where(choice == m, e, BLOCK_E), axis=0)
+        for j in tl.static_range(K):  # the largest untaken choice, ties to the lower expert (the stable sort's order)
+            cand = tl.where(taken, float("-inf"), choice)
+            m = tl.max(cand, axis=0)
+            i = tl.minimum(tl.min(tl.where((cand == m) & ~taken, e, BLOCK_E), axis=0), E - 1)
             picked = tl.where(ks == j, i, picked)
             weight = tl.where(ks == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), weight)
-            choice = tl.where(e == i, float("-inf"), choice)
+            taken = taken | (e == i)
         if RENORM:
             weight = weight / tl.sum(weight, axis=0)
         tl.store(IDX + row * K + ks, picked.to(tl.int64), mask=ks < K)

@@ -120,6 +120,8 @@ def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tens
     """x [..., D] -> (codes [..., D] uint8, scales [..., D / 32] uint8)."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
+    if x2.stride(1) != 1:  # a strided view (a Slice with a step): the kernel reads unit-stride rows
+        x2 = x2.contiguous()
     n = x2.shape[0]
     codes = torch.empty(n, 1, D, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n, 1, D // 32, dtype=torch.uint8, device=x.device)

@@ -133,6 +133,25 @@ def test_sum_norm_matches_the_torch_form(dtype, k, L):
         assert bool(((g - want).abs() <= want.abs() * ULP[dtype] * 1.001 + 1e-6 * want.abs().max()).all())
 
 
+@kernels
+def test_route_never_returns_an_expert_out_of_range():
+    """Rows the torch sort still orders: all NaN (NaN first, lower expert first) and a -inf bias on all but two
+    experts (the finite ones first, then the lowest -inf ones): k distinct ids in [0, E), as the torch form picks."""
+    for E in (6, 8):
+        s = torch.rand(3, E)
+        s[0] = float("nan")
+        bias = torch.zeros(E)
+        got = mtk.route(s.to(DEV), bias.to(DEV), 3, False, 1.0)
+        assert got is not None
+        assert torch.equal(got[0].cpu()[0], torch.tensor([0, 1, 2]))
+        bias[:] = float("-inf")
+        bias[E - 1] = bias[2] = 0.0
+        got = mtk.route(s.to(DEV), bias.to(DEV), 3, False, 1.0)
+        want = _route_torch(s, bias, 3, False, 1.0)
+        assert torch.equal(got[0].cpu()[1:], want[0][1:])
+        assert bool((got[0].cpu() < E).all()) and bool((got[0].cpu() >= 0).all())
+
+
 def test_route_and_sum_norm_decline_what_they_do_not_take():
     s = torch.rand(4, 8)
     assert mtk.route(s.double(), torch.zeros(8), 2, True, 1.0) is None
