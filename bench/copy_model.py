@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimi_compile.config import preset  # noqa: E402
+from kimi_compile.config import PRESETS, preset  # noqa: E402
 from kimi_compile.model.weights import build_model, init_random, save_pretrained  # noqa: E402
 
 MAP_FILE = "copy_model.json"
@@ -81,13 +81,15 @@ def copy_model(preset_name: str, period: int = 24, seed: int = 0, dtype: torch.d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="kimi-k3.1-small")
+    ap.add_argument("--preset", default="kimi-k3.1-small", choices=PRESETS)
     ap.add_argument("--out", required=True)
     ap.add_argument("--period", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="weights' dtype in the checkpoint (bfloat16, as released checkpoints ship)")
     a = ap.parse_args()
+    if a.period < 2:
+        ap.error(f"--period must be at least 2, got {a.period}")
     model, nxt = copy_model(a.preset, a.period, a.seed, getattr(torch, a.dtype))
     out = save_pretrained(model, a.out)
     tmp = out / f".{MAP_FILE}.tmp"

@@ -105,15 +105,15 @@ def moe(x, a):
     (h, router_w, router_bias, w_down, w1, w3, w2, norm_w, w_up, sh_gate, sh_up, sh_down) = x
     shape, dt = h.shape, h.dtype
     xf = h.reshape(-1, shape[-1])
+    k = int(a["top_k"])
+    rk = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, rows=True)
+    rn = None
     if h.is_cuda:  # the sum over k and the RMSNorm in one kernel where it applies
         from kimi_compile.plugins.moe import triton as tk
 
-        rk = _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, rows=True)
-        rn = tk.sum_norm(rk, int(a["top_k"]), norm_w, a["eps"], dt)
-        if rn is None:
-            rn = _norm(rk.reshape(xf.shape[0], int(a["top_k"]), -1).sum(1), norm_w, a["eps"]).to(dt)
-    else:
-        rn = _norm(_routed(h, router_w, router_bias, w_down, w1, w3, w2, a), norm_w, a["eps"]).to(dt)
+        rn = tk.sum_norm(rk, k, norm_w, a["eps"], dt)
+    if rn is None:
+        rn = _norm(rk.reshape(xf.shape[0], k, -1).sum(1), norm_w, a["eps"]).to(dt)
     y = rn @ w_up.t().to(dt)
     shared = _situ(xf @ sh_up.t().to(dt), xf @ sh_gate.t().to(dt), a, dt) @ sh_down.t().to(dt)
     return ((y + shared).reshape(shape),)
