@@ -297,6 +297,8 @@ def main() -> None:
         ts = [int(x) for x in a.verify_t.split(",") if x]
         for B in batches:
             guarded("verify", lambda: verify_costs(sess, B, a.prompt_len, ts, a.reps), batch=B, context=a.prompt_len)
+    if not batches:  # --batches "": build (and load) only
+        return
     copy_map = None
     if a.model and (Path(a.model) / MAP_FILE).is_file():  # a copy model (bench/copy_model.py): orbit prompts
         copy_map = json.loads((Path(a.model) / MAP_FILE).read_text())["next"]
