@@ -1,6 +1,8 @@
 """cuda backend kernel for kimi.KDA (one whole KDA layer), composed from GEMMs, a depthwise conv over the carried
-window, and the gated delta rule: on the GPU the Triton decode step (plugins/kda/triton.py, state updated in place)
-for one token and fla-core's chunk_kda for longer steps; on the CPU the reference model's torch recurrences.
+window, and the gated delta rule: on the GPU one token runs `decode_fused` (the projections, then three Triton
+kernels from plugins/kda/triton.py: the pre-work, the decode step with the state updated in place, the output norm
+and gate) and longer steps the torch pre/post work around fla-core's chunk_kda; on the CPU the reference model's
+torch recurrences.
 
 Padding rows (t >= lengths[b]) get g = 0 and beta = 0, so the state is untouched there, exactly as the op's
 contract says; the conv window and the state are written in place (outputs 1 and 2 alias inputs 1 and 2).
@@ -53,6 +55,10 @@ def _recurrence(q, k, v, g, beta, state):
 def kda(x, a):
     (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
      o_norm, w_o) = x
+    if h.is_cuda and h.shape[1] == 1:
+        out = decode_fused(x, a)
+        if out is not None:
+            return out
     q, k, v, g, beta = prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b,
                                A_log, dt_bias, a)
     B, T, _ = h.shape
@@ -63,6 +69,33 @@ def kda(x, a):
     gate = torch.sigmoid((h @ w_g.to(dt)).float().reshape(B, T, H, D))
     out = (o * gate).reshape(B, T, P).to(dt) @ w_o.to(dt)
     return out, conv_state, state
+
+
+def decode_fused(x, a):
+    """One decode token of the layer in nine launches: the six projections (cuBLAS), the Triton pre-kernel (conv
+    over the carried window, SiLU, L2 norms, safe gate, beta, padding rows masked; plugins/kda/triton.py
+    `kda_decode_prepare`), the Triton decode step and the output norm-and-gate kernel; the torch form issues about
+    seventy operations for the same step. Returns None (the caller takes the torch form) where the pre-kernel does
+    not apply (`decode_prepare_unsupported`). Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
+    from kimi_compile.plugins.kda import triton as ktk
+
+    (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
+     o_norm, w_o) = x
+    B, T, _ = h.shape
+    H, D = A_log.numel(), o_norm.numel()
+    dt = h.dtype
+    cw = _cat_once([conv_q, conv_k, conv_v], 0)
+    cw = cw.reshape(cw.shape[0], cw.shape[-1])
+    u = h @ _cat_once([w_q, w_k, w_v], 1).to(dt)
+    f = (h @ w_f_a.to(dt)) @ w_f_b.to(dt)
+    b = h @ w_b.to(dt)
+    if ktk.decode_prepare_unsupported(u, conv_state, cw, f, b, lengths, A_log, dt_bias) is not None:
+        return None
+    q, k, v, g, beta = ktk.kda_decode_prepare(u, conv_state, cw, f, b, lengths, A_log, dt_bias, scale=a["scale"],
+                                              l2_eps=a["l2_eps"], lower_bound=a["lower_bound"])
+    o = ktk.kda_decode_step(q, k, v, g, beta, state, out=torch.empty(B, H, D, dtype=torch.float32, device=h.device))
+    y = ktk.kda_output_norm_gate(o.view(B, T, H, D), h @ w_g.to(dt), o_norm, a["eps"], out_dtype=dt)
+    return y @ w_o.to(dt), conv_state, state
 
 
 def prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, A_log, dt_bias, a):

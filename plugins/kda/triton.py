@@ -9,12 +9,16 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_prefill_preprocess_ref`, `kda_out
   (sequence, head) pairs, 64 from there (at most V).
 - `kda_prefill_preprocess`: one pass over the projection outputs: causal depthwise conv (kernel 4, zero history) +
   SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate, beta sigmoid.
+- `kda_decode_prepare`: one decode token's delta-rule inputs in one launch: conv over the carried window (advanced in
+  place) + SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate and beta sigmoid, zeroed on padding rows.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
 - `kda_prefill_fused`: preprocess (no gate) -> fla chunk_kda with its in-kernel fp32 safe gate -> output norm/gate.
 History of these kernels (what was tried, what was measured): docs/kernels/kda.md.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -108,6 +112,54 @@ if triton is not None:
         y = o * tl.rsqrt(tl.sum(o * o, 1) / D + eps)[:, None] * tl.load(W + dd).to(tl.float32)[None, :]
         tl.store(OUT + off, (y * tl.sigmoid(gt)).to(OUT.dtype.element_ty), mask=rm[:, None])
 
+    @triton.jit
+    def _conv_step(U, CS, CW, bid, col, su, scs_b, scs_t, valid):
+        # one decode token of the kernel-4 depthwise conv over the carried window [w0, w1, w2], in the compute dtype
+        # of u (the torch form casts the window and the weights to it, convolves and applies SiLU in it):
+        # y = silu(c0 w0 + c1 w1 + c2 w2 + c3 u); on a valid row the window becomes [w1, w2, u]. Every value is loaded before the barrier and stored after
+        # it, so threads holding the same channel (small head dims replicate a [D] vector) cannot read a moved one.
+        x = tl.load(U + bid * su + col)
+        cs = CS + bid * scs_b + col
+        w0 = tl.load(cs)
+        w1 = tl.load(cs + scs_t)
+        w2 = tl.load(cs + 2 * scs_t)
+        w0 = w0.to(x.dtype)
+        w1 = w1.to(x.dtype)
+        w2 = w2.to(x.dtype)
+        acc = (w0.to(tl.float32) * tl.load(CW + col * 4).to(x.dtype).to(tl.float32)
+               + w1.to(tl.float32) * tl.load(CW + col * 4 + 1).to(x.dtype).to(tl.float32)
+               + w2.to(tl.float32) * tl.load(CW + col * 4 + 2).to(x.dtype).to(tl.float32)
+               + x.to(tl.float32) * tl.load(CW + col * 4 + 3).to(x.dtype).to(tl.float32))
+        tl.debug_barrier()
+        # a padding row keeps its window (cast through u's dtype, as the torch form's gather of the cast window does)
+        tl.store(cs, tl.where(valid, w1, w0).to(CS.dtype.element_ty))
+        tl.store(cs + scs_t, tl.where(valid, w2, w1).to(CS.dtype.element_ty))
+        tl.store(cs + 2 * scs_t, tl.where(valid, x, w2).to(CS.dtype.element_ty))
+        y = acc.to(x.dtype).to(tl.float32)
+        return (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
+
+    @triton.jit
+    def _kda_decode_pre_kernel(U, CS, CW, FP, BP, A_LOG, DT_BIAS, LEN, OQ, OK, OV, OG, OB,
+                               su, scs_b, scs_t, sf, sb, scale, l2_eps, lower_bound,
+                               H: tl.constexpr, D: tl.constexpr):
+        bid = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        dd = tl.arange(0, D)
+        c = h * D + dd
+        valid = tl.load(LEN + bid) > 0
+        orow = (bid * H + h) * D + dd
+        q = _conv_step(U, CS, CW, bid, c, su, scs_b, scs_t, valid)
+        tl.store(OQ + orow, q * (tl.rsqrt(tl.sum(q * q, 0) + l2_eps) * scale))
+        k = _conv_step(U, CS, CW, bid, H * D + c, su, scs_b, scs_t, valid)
+        tl.store(OK + orow, k * tl.rsqrt(tl.sum(k * k, 0) + l2_eps))
+        v = _conv_step(U, CS, CW, bid, 2 * H * D + c, su, scs_b, scs_t, valid)
+        tl.store(OV + orow, v)
+        m = valid.to(tl.float32)
+        f = tl.load(FP + bid * sf + c).to(tl.float32) + tl.load(DT_BIAS + c).to(tl.float32)
+        a = tl.exp(tl.load(A_LOG + h).to(tl.float32))
+        tl.store(OG + orow, lower_bound * tl.sigmoid(a * f) * m)
+        tl.store(OB + bid * H + h, tl.sigmoid(tl.load(BP + bid * sb + h).to(tl.float32)) * m)
+
 
 def _need_triton():
     if triton is None:
@@ -162,6 +214,67 @@ def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                                           L2NORM=use_qk_l2norm, GATE=gate, BETA_SIGMOID=use_beta_sigmoid,
                                           num_warps=4)
     return out
+
+
+def decode_prepare_unsupported(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias) -> str | None:
+    """Why `kda_decode_prepare` does not take these inputs, naming the field; None when it does."""
+    if triton is None:
+        return "triton is not installed"
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (u.device.type == "cuda" or interp):
+        return f"kda_decode_prepare: u must be a CUDA tensor, got {u.device}"
+    if u.dim() != 3 or u.shape[1] != 1:
+        return f"kda_decode_prepare: u must be [B, 1, 3P] (one decode token), got {tuple(u.shape)}"
+    B, _, P3 = u.shape
+    H = A_log.numel()
+    if P3 % 3 or (P3 // 3) % H:
+        return f"kda_decode_prepare: u's width {P3} is not 3 x heads ({H}) x head dim"
+    D = P3 // 3 // H
+    if D & (D - 1) or D < 16:
+        return f"kda_decode_prepare: the head dim must be a power of two >= 16, got {D}"
+    if conv_w.dim() != 2 or tuple(conv_w.shape) != (P3, 4):
+        return f"kda_decode_prepare: conv_w must be [{P3}, 4] (kernel size 4), got {tuple(conv_w.shape)}"
+    W = 4
+    if tuple(conv_state.shape) != (B, W - 1, P3) or conv_state.stride(-1) != 1:
+        return (f"kda_decode_prepare: conv_state must be [{B}, {W - 1}, {P3}] with unit last stride, got "
+                f"{tuple(conv_state.shape)}")
+    if tuple(f.shape) != (B, 1, P3 // 3) or tuple(b.shape) != (B, 1, H):
+        return f"kda_decode_prepare: f must be [{B}, 1, {P3 // 3}] and b [{B}, 1, {H}], got {tuple(f.shape)}, " \
+               f"{tuple(b.shape)}"
+    if lengths.numel() != B or lengths.dtype.is_floating_point:
+        return f"kda_decode_prepare: lengths must hold {B} integers, got {lengths.dtype} {tuple(lengths.shape)}"
+    if dt_bias.numel() != P3 // 3:
+        return f"kda_decode_prepare: dt_bias must hold {P3 // 3} values, got {dt_bias.numel()}"
+    for name, t in (("u", u), ("f", f), ("b", b)):
+        if t.stride(-1) != 1:
+            return f"kda_decode_prepare: {name} must have unit last stride"
+    return None
+
+
+def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, scale: float, l2_eps: float,
+                       lower_bound: float):
+    """The delta rule's inputs for one decode token of a KDA layer, in one launch (the torch form is
+    plugins/kda/cuda.py `prepare` at T = 1): u = h @ [w_q | w_k | w_v] [B, 1, 3P], the carried conv window
+    conv_state [B, 3, 3P] (advanced IN PLACE for rows with lengths > 0), depthwise conv weights conv_w [3P, 4],
+    f = the gate's low-rank projection [B, 1, P], b = the beta projection [B, 1, H], lengths [B] (0 or 1),
+    A_log [H], dt_bias [P]. The conv and its SiLU run in u's dtype, as the torch form's do.
+    Returns q, k [B, H, D] fp32 (L2-normalised, q times scale), v [B, H, D] in u's dtype, g [B, H, D] fp32 (the safe
+    gate), beta [B, H] fp32 (sigmoid); g and beta are zero on rows with lengths 0, so the state stays untouched."""
+    why = decode_prepare_unsupported(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias)
+    if why is not None:
+        raise ValueError(why)
+    B, _, P3 = u.shape
+    H = A_log.numel()
+    D = P3 // 3 // H
+    dev = u.device
+    oq = torch.empty(B, H, D, dtype=torch.float32, device=dev)
+    ok, og = torch.empty_like(oq), torch.empty_like(oq)
+    ov = torch.empty(B, H, D, dtype=u.dtype, device=dev)
+    ob = torch.empty(B, H, dtype=torch.float32, device=dev)
+    _kda_decode_pre_kernel[(B, H)](u, conv_state, conv_w.contiguous(), f, b, A_log, dt_bias, lengths, oq, ok, ov, og,
+                                   ob, u.stride(0), conv_state.stride(0), conv_state.stride(1), f.stride(0),
+                                   b.stride(0), scale, l2_eps, lower_bound, H=H, D=D, num_warps=4)
+    return oq, ok, ov, og, ob
 
 
 def kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound: float = -5.0,
