@@ -138,6 +138,8 @@ def test_memory_plan_never_aliases_two_live_buffers(k31_pair):
     plan.validate()
     assert plan.lower_bound <= plan.peak <= sum(b.size for b in plan.buffers)
     assert plan.peak < sum(b.size for b in plan.buffers) / 2  # the plan reuses memory
+    direct = {s.op for s in spec.steps if s.index in spec.direct}
+    assert {"MatMul", "Add"} <= direct, direct  # these write straight into their slots (no copy)
     planned = spec.run({k: v.clone() for k, v in feeds.items()})
     for k in eager:
         assert torch.equal(planned[k], eager[k]), k  # same program, same numbers, bytes shared only when dead
@@ -156,6 +158,52 @@ def test_memory_plan_never_aliases_two_live_buffers(k31_pair):
     spec.slots[b.value] = spec.arena[off:off + n].view(spec.slots[b.value].dtype).view(shape_b)
     broken = spec.run({k: v.clone() for k, v in feeds.items()})
     assert any(not torch.equal(broken[k], eager[k]) for k in eager)
+
+
+def _onnx_case(op: str, gen: torch.Generator):
+    """Random inputs and attributes for one ONNX op of the cuda backend's direct-write table."""
+    r = lambda *sh: torch.randn(*sh, generator=gen)
+    if op in ("Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"):
+        return [torch.randint(0, 3, (4, 5), generator=gen), torch.randint(0, 3, (5,), generator=gen)], {}
+    if op in ("And", "Or", "Xor"):
+        return [r(4, 5) > 0, r(4, 5) > 0], {}
+    if op == "Not":
+        return [r(4, 5) > 0], {}
+    if op == "Div":
+        return [torch.randint(-9, 9, (4, 5), generator=gen), torch.randint(1, 4, (4, 5), generator=gen)], {}
+    if op in ("Log", "Sqrt"):
+        return [r(4, 5).abs() + 0.1], {}
+    if op == "Where":
+        return [r(4, 5) > 0, r(4, 5), r(5)], {}
+    if op == "Cast":
+        return [r(4, 5) * 300], {"to": 17}  # float32 -> float8e4m3fn, saturating
+    if op == "Concat":
+        return [r(2, 5).bfloat16(), r(3, 5).bfloat16()], {"axis": 0}
+    if op == "MatMul":
+        return [r(3, 4, 6).bfloat16(), r(6, 5)], {}
+    if op == "RMSNormalization":
+        return [r(3, 8).bfloat16(), r(8).bfloat16()], {"epsilon": 1e-5}
+    if op in ("Add", "Sub", "Mul"):
+        return [r(4, 5).bfloat16(), r(5).bfloat16()], {}
+    return [r(4, 5)], {}
+
+
+def test_onnx_ops_write_into_their_slots_what_their_table_computes():
+    """Each op the executor writes straight into its output's planned slot (onnx_ops.OUT_TABLE) gives bit for bit
+    what its TABLE entry gives, on random inputs (broadcast, mixed dtypes, a saturating fp8 cast, integer
+    division)."""
+    from kimi_compile.backends.cuda import onnx_ops
+
+    gen = torch.Generator().manual_seed(0)
+    for op, direct in onnx_ops.OUT_TABLE.items():
+        x, a = _onnx_case(op, gen)
+        (want,) = onnx_ops.TABLE[op](x, a)
+        out = torch.full_like(want, 7) if want.dtype != torch.bool else torch.zeros_like(want)
+        direct(x, a, out)
+        assert out.dtype == want.dtype and out.shape == want.shape, op
+        assert torch.equal(out.view(torch.uint8) if out.dtype.itemsize == 1 and out.is_floating_point() else out,
+                           want.view(torch.uint8) if want.dtype.itemsize == 1 and want.is_floating_point()
+                           else want), op
 
 
 def test_plan_on_random_lifetimes():

@@ -321,8 +321,12 @@ class Specialized:
         self.last_use = self._last_use()
         self.graph = None
         self.capture_error: str | None = None
+        self.direct: dict[int, Callable] = {}  # step index -> the op written into its output's slot
         if plan:
             self._plan(shapes)
+            self.direct = {s.index: onnx_ops.OUT_TABLE[s.op] for s in steps
+                           if s.impl == "onnx" and s.op in onnx_ops.OUT_TABLE and len(s.outputs) == 1
+                           and s.outputs[0] in self.slots}
 
     def _static_step(self, s: Step) -> bool:
         if s.op in ("Shape", "Constant"):
@@ -417,6 +421,12 @@ class Specialized:
         self.joins = [torch.cuda.Event() for _ in self.side]
 
     def _step(self, s: Step, env: list) -> None:
+        direct = self.direct.get(s.index)
+        if direct is not None:  # the op computes straight into its output's slot: no copy
+            slot = self.slots[s.outputs[0]]
+            direct(self._args(s, env), s.attrs, slot)
+            env[s.outputs[0]] = slot
+            return
         outs = s.fn(self._args(s, env), s.attrs)
         slots = self.slots
         for o, t in zip(s.outputs, outs):
