@@ -3,9 +3,10 @@ the tokens sorted by expert (static shapes: N*k rows whatever the routing, so th
 graph).
 
 Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
-(CPU, fp32) the same sorted layout through a gathered batched product. On CUDA tensors three Triton kernels
-(plugins/moe/triton.py) replace torch compositions: the router's selection after its sigmoid, the SiTU activation
-of the experts and of the shared expert, and the routed sum over k with its RMSNorm; the torch forms run on the CPU
+(CPU, fp32) the same sorted layout through a gathered batched product. On CUDA tensors four Triton kernels
+(plugins/moe/triton.py) replace torch compositions: the router's selection after its sigmoid, the rows' layout by
+expert (a counting sort), the SiTU activation of the experts and of the shared expert, and the routed sum over k
+with its RMSNorm; the torch forms run on the CPU
 and wherever a kernel declines. Selection and weights follow the op's contract exactly (fp32 router scores, ties to the lower expert). Deterministic: the k expert rows of a token are
 summed in a fixed order (no atomics), so two runs of a step give the same bits.
 """
@@ -39,6 +40,21 @@ def _route(s: torch.Tensor, bias: torch.Tensor, k: int, a):
     from kimi_compile.plugins.moe import triton as tk
 
     return tk.route(s, bias, k, bool(a["renormalize"]), a["scaling"])
+
+
+def _layout(flat: torch.Tensor, k: int, E: int):
+    """(order, expert, token, offs) of the rows sorted by expert: the Triton layout kernel on CUDA tensors where it
+    applies (one launch), else the torch form (a stable sort and a count)."""
+    if flat.is_cuda:
+        from kimi_compile.plugins.moe import triton as tk
+
+        got = tk.layout(flat, k, E)
+        if got is not None:
+            return got
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.zeros(E, dtype=torch.int32, device=flat.device).scatter_add_(
+        0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    return order, flat.index_select(0, order), order // k, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
 def _norm(r: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,12 +101,7 @@ def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0, ro
         idx, wk = torch.where(held, local, 0), torch.where(held, wk, 0.0)
     z = xf @ w_down.t().to(dt)
     flat = idx.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    expert = flat.index_select(0, order)
-    token = order // k
-    counts = torch.zeros(E, dtype=torch.int32, device=h.device).scatter_add_(
-        0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    order, expert, token, offs = _layout(flat, k, E)
     zs = z.index_select(0, token)
     gate = _grouped(zs, w1.to(dt), expert, offs)
     up = _grouped(zs, w3.to(dt), expert, offs)

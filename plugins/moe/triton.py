@@ -10,7 +10,9 @@ in a CUDA-graph decode step each is a launch. tanh is computed from exp (|x| >= 
 
 Also the router's selection after its sigmoid (`route`: top-k of s + bias with ties to the lower expert, the
 weights gathered, renormalized and scaled; 7 torch operations) and the routed path's sum over the k experts with the
-RMSNorm that follows it (`sum_norm`: 9 operations), one launch each; both return None where they do not apply.
+RMSNorm that follows it (`sum_norm`: 9 operations), and the grouped GEMMs' row layout (`layout`: a stable counting
+sort of the expert ids with the per-expert row ends, 8 operations), one launch each; all three return None where they
+do not apply.
 
 `situ(u, g, beta, linear_beta, dtype)` refuses (ValueError naming the field) what the kernel does not take;
 `unsupported(u, g)` says why without raising (None when it applies). Runs on CUDA tensors, or on CPU tensors under
@@ -94,6 +96,32 @@ if triton is not None:
         w = tl.load(W + d, mask=m, other=0.0).to(tl.float32)
         tl.store(OUT + row * L + d, (acc * inv * w).to(OUT.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _layout_kernel(FLAT, ORDER, EXPERT, TOKEN, OFFS, M, K: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
+                       BM: tl.constexpr):
+        # a stable counting sort of the M = N * k expert ids by expert, in one program: pass 1 counts rows per
+        # expert (offs = the cumulative ends), pass 2 places each row at its expert's start plus its rank among the
+        # earlier rows of that expert (a running one-hot count), the order torch.sort(stable=True) gives
+        e = tl.arange(0, BE)
+        counts = tl.zeros([BE], dtype=tl.int32)
+        for start in range(0, M, BM):
+            i = start + tl.arange(0, BM)
+            f = tl.load(FLAT + i, mask=i < M, other=-1)
+            counts += tl.sum((f[:, None] == e[None, :]).to(tl.int32), 0)
+        ends = tl.cumsum(counts, 0)
+        tl.store(OFFS + e, ends, mask=e < E)
+        run = ends - counts
+        for start in range(0, M, BM):
+            i = start + tl.arange(0, BM)
+            m = i < M
+            f = tl.load(FLAT + i, mask=m, other=-1)
+            hot = (f[:, None] == e[None, :]).to(tl.int32)
+            pos = tl.sum(hot * (tl.cumsum(hot, 0) - 1 + run[None, :]), 1)
+            tl.store(ORDER + pos, i.to(tl.int64), mask=m)
+            tl.store(EXPERT + pos, f.to(EXPERT.dtype.element_ty), mask=m)
+            tl.store(TOKEN + pos, (i // K).to(tl.int64), mask=m)
+            run += tl.sum(hot, 0)
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -152,6 +180,28 @@ def route(s: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scalin
         _route_kernel[(N,)](s, bias.contiguous(), idx, wk, E, float(scaling), K=k, KP=triton.next_power_of_2(k), RENORM=bool(renormalize),
                             BLOCK_E=triton.next_power_of_2(E))
     return idx, wk
+
+
+MAX_LAYOUT_ROWS = 4096  # N * k of the layout kernel (one program walks the rows twice; longer steps sort in torch)
+
+
+def layout(flat: torch.Tensor, k: int, E: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The grouped GEMMs' row layout of the expert ids flat [N * k] (int64, each in [0, E)): (order [N * k] int64,
+    the rows sorted by expert, stable; expert = flat[order]; token = order // k; offs [E] int32, the cumulative
+    row ends per expert), equal to the torch form's sort / index_select / floor_divide / scatter_add_ / cumsum, in
+    one launch. None when the kernel does not apply (more than MAX_LAYOUT_ROWS rows, more than MAX_EXPERTS experts)."""
+    if triton is None or not (flat.is_cuda or _interpreting()) or flat.dim() != 1 or flat.dtype != torch.int64 \
+            or not flat.is_contiguous() or not 0 < flat.numel() <= MAX_LAYOUT_ROWS or not 0 < E <= MAX_EXPERTS:
+        return None
+    M, dev = flat.numel(), flat.device
+    order = torch.empty(M, dtype=torch.int64, device=dev)
+    expert, token = torch.empty_like(order), torch.empty_like(order)
+    offs = torch.empty(E, dtype=torch.int32, device=dev)
+    BE = triton.next_power_of_2(E)
+    _layout_kernel[(1,)](flat, order, expert, token, offs, M, K=k, E=E, BE=BE, BM=max(1, min(64, 8192 // BE)),
+                         num_warps=4)
+    return order, expert, token, offs
 
 
 def sum_norm(r: torch.Tensor, k: int, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor | None:

@@ -57,8 +57,8 @@ def test_situ_low_precision_within_one_ulp(dtype):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or mtk.triton is None, reason="needs CUDA and triton")
 def test_moe_kernel_on_the_gpu_matches_its_torch_activation(monkeypatch):
-    """The cuda backend's MoE kernel with the Triton kernels (activation, router, sum and norm) equals the same kernel
-    with the torch forms (bf16)."""
+    """The cuda backend's MoE kernel with the Triton kernels (activation, router, layout, sum and norm) equals the same
+    kernel with the torch forms (bf16)."""
     gen = torch.Generator().manual_seed(3)
     N, H, E, L, F, k = 9, 64, 8, 32, 48, 3
     r = lambda *s: (torch.randn(*s, generator=gen) / s[-1] ** 0.5).to(torch.bfloat16).cuda()  # noqa: E731
@@ -70,8 +70,35 @@ def test_moe_kernel_on_the_gpu_matches_its_torch_activation(monkeypatch):
                                                                         a["situ_linear_beta"]).to(dt))
     monkeypatch.setattr(mcuda, "_route", lambda *args: None)
     monkeypatch.setattr(mtk, "sum_norm", lambda *args: None)
+    monkeypatch.setattr(mtk, "layout", lambda *args: None)
     (want,) = mcuda.moe(x, attrs)
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
+
+
+@kernels
+@pytest.mark.parametrize(("N", "k", "E"), [(1, 8, 64), (32, 8, 64), (3, 2, 10), (600, 6, 384), (5, 1, 1)])
+def test_layout_equals_the_torch_sort(N, k, E):
+    """The grouped GEMMs' row layout (order, expert, token, offs) equals the torch form's exactly: a stable sort, so
+    rows of one expert keep token order; experts nobody picked get empty groups; more rows than one chunk of the
+    kernel (600 * 6 against 16 a chunk at 384 experts) and an expert count that is not a power of two."""
+    gen = torch.Generator().manual_seed(N * 31 + E)
+    flat = torch.randint(0, E, (N * k,), generator=gen)
+    if E > 2:
+        flat[flat == 1] = 2  # expert 1 empty, expert 2 crowded
+    got = mtk.layout(flat.to(DEV), k, E)
+    want = mcuda._layout(flat, k, E)  # CPU tensors: the torch form
+    assert got is not None
+    for name, g_, w_ in zip(("order", "expert", "token", "offs"), got, want):
+        assert g_.dtype == w_.dtype and torch.equal(g_.cpu(), w_), name
+
+
+def test_layout_declines_what_it_does_not_take():
+    flat = torch.zeros(8, dtype=torch.int64)
+    assert mtk.layout(flat.float(), 2, 4) is None
+    assert mtk.layout(torch.zeros(mtk.MAX_LAYOUT_ROWS + 1, dtype=torch.int64), 1, 4) is None
+    assert mtk.layout(flat, 2, mtk.MAX_EXPERTS + 1) is None
+    if not INTERPRET:
+        assert mtk.layout(flat, 2, 4) is None  # CPU tensors outside the interpreter: the torch form
 
 
 def test_refusals_name_the_field():
