@@ -182,7 +182,8 @@ def route(s: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scalin
     return idx, wk
 
 
-MAX_LAYOUT_ROWS = 4096  # N * k of the layout kernel (one program walks the rows twice; longer steps sort in torch)
+MAX_LAYOUT_ROWS = 1024  # N * k of the layout kernel (one program walks the rows twice: decode and verification
+# steps; prefill chunks sort in torch, where a multi-block sort is faster)
 
 
 def layout(flat: torch.Tensor, k: int, E: int
