@@ -84,13 +84,15 @@ def decode_fused(x, a):
     B, T, _ = h.shape
     H, D = A_log.numel(), o_norm.numel()
     dt = h.dtype
+    P = w_q.shape[1]
     cw = _cat_once([conv_q, conv_k, conv_v], 0)
     cw = cw.reshape(cw.shape[0], cw.shape[-1])
+    if ktk.decode_prepare_unsupported(h.new_empty(B, 1, 3 * P), conv_state, cw, h.new_empty(B, 1, P),
+                                      h.new_empty(B, 1, H), lengths, A_log, dt_bias) is not None:
+        return None  # decided on the shapes the projections will have, before any of them runs
     u = h @ _cat_once([w_q, w_k, w_v], 1).to(dt)
     f = (h @ w_f_a.to(dt)) @ w_f_b.to(dt)
     b = h @ w_b.to(dt)
-    if ktk.decode_prepare_unsupported(u, conv_state, cw, f, b, lengths, A_log, dt_bias) is not None:
-        return None
     q, k, v, g, beta = ktk.kda_decode_prepare(u, conv_state, cw, f, b, lengths, A_log, dt_bias, scale=a["scale"],
                                               l2_eps=a["l2_eps"], lower_bound=a["lower_bound"])
     o = ktk.kda_decode_step(q, k, v, g, beta, state, out=torch.empty(B, H, D, dtype=torch.float32, device=h.device))

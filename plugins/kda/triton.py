@@ -271,6 +271,7 @@ def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, 
     ok, og = torch.empty_like(oq), torch.empty_like(oq)
     ov = torch.empty(B, H, D, dtype=u.dtype, device=dev)
     ob = torch.empty(B, H, dtype=torch.float32, device=dev)
+    A_log, dt_bias, lengths = A_log.contiguous(), dt_bias.reshape(-1).contiguous(), lengths.reshape(-1).contiguous()
     _kda_decode_pre_kernel[(B, H)](u, conv_state, conv_w.contiguous(), f, b, A_log, dt_bias, lengths, oq, ok, ov, og,
                                    ob, u.stride(0), conv_state.stride(0), conv_state.stride(1), f.stride(0),
                                    b.stride(0), scale, l2_eps, lower_bound, H=H, D=D, num_warps=4)
@@ -311,6 +312,7 @@ def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfl
     B, T, H, D = o.shape
     o, gate = o.contiguous(), gate.contiguous()
     out = torch.empty(B, T, H * D, dtype=out_dtype, device=o.device)
+    weight = weight.contiguous()
     n = B * T * H
     br = 16
     _kda_post_kernel[(triton.cdiv(n, br),)](o, gate, weight, out, n, eps, H=H, D=D, BR=br, num_warps=4)

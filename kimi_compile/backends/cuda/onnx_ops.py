@@ -438,7 +438,11 @@ def _out_div(x, a, out):
 
 def _out_matmul(x, a, out):
     p, q = x
-    torch.matmul(p, q if q.dtype == p.dtype else q.to(p.dtype), out=out)
+    q = q if q.dtype == p.dtype else q.to(p.dtype)
+    if p.dim() == 1 or q.dim() == 1:  # torch's out= path resizes internally for a vector operand
+        out.copy_(torch.matmul(p, q))
+    else:
+        torch.matmul(p, q, out=out)
 
 
 def _out_cast(x, a, out):

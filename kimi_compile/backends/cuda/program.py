@@ -290,6 +290,7 @@ class Specialized:
         env = self._env(feeds)
         steps: list[Step] = []
         shapes: dict[int, tuple] = {}
+        self.alias: dict[int, int] = {}  # output value -> the input value whose bytes it shares (the first run's)
         dev = prog.device
         for s in prog.steps:
             if self._static_step(s):
@@ -305,9 +306,14 @@ class Specialized:
                         f"cuda backend: node {s.name!r} ({s.op}) takes a shape argument computed from data "
                         f"(value {prog.values[i].name!r}); a static program needs it from shapes and constants")
             steps.append(s)
-            for o, t in zip(s.outputs, s.fn(self._args(s, env), s.attrs)):
+            args = self._args(s, env)
+            storage = {x.untyped_storage().data_ptr(): i for i, x in zip(s.inputs, args)
+                       if i is not None and isinstance(x, torch.Tensor) and x.numel()}
+            for o, t in zip(s.outputs, s.fn(args, s.attrs)):
                 env[o] = t
                 shapes[o] = (tuple(t.shape), t.dtype)
+                if t.numel() and t.untyped_storage().data_ptr() in storage:  # a view of (or in place on) an input
+                    self.alias[o] = storage[t.untyped_storage().data_ptr()]
         self.steps = steps
         self.multi_stream = prog.device.type == "cuda" and prog.streams > 1
         self._streams_setup()
@@ -340,12 +346,17 @@ class Specialized:
     def _last_use(self) -> dict[int, int]:
         last: dict[int, int] = {}
         base: dict[int, int] = {}  # view value -> the value whose storage it shares
+        graph_outputs = {i for _, i in self.prog.outputs}
         for k, s in enumerate(self.steps):
             for i in s.inputs:
                 if i is not None:
                     last[base.get(i, i)] = k
             if s.op in onnx_ops.VIEWS and s.inputs[0] is not None:
                 base[s.outputs[0]] = base.get(s.inputs[0], s.inputs[0])
+            for o in s.outputs:  # an unplanned output (a graph output) that is a view of an input, e.g. a Slice or a
+                src = self.alias.get(o)  # Transpose: the input's bytes live as long as the output does
+                if src is not None and o in graph_outputs and o not in base:
+                    base[o] = base.get(src, src)
         end = len(self.steps)
         for _, i in self.prog.outputs:
             last[base.get(i, i)] = end
@@ -371,7 +382,7 @@ class Specialized:
         bufs, info = [], {}
         for k, s in enumerate(self.steps):
             for j, o in enumerate(s.outputs):
-                if o not in shapes or s.op in onnx_ops.VIEWS or j in s.inplace or o in outputs:
+                if o not in shapes or s.op in onnx_ops.VIEWS or j in s.inplace or self.base.get(o, o) in outputs:
                     continue
                 shape, dt = shapes[o]
                 nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
@@ -424,7 +435,11 @@ class Specialized:
         direct = self.direct.get(s.index)
         if direct is not None:  # the op computes straight into its output's slot: no copy
             slot = self.slots[s.outputs[0]]
+            shape, ptr = slot.shape, slot.data_ptr()
             direct(self._args(s, env), s.attrs, slot)
+            if slot.shape != shape or slot.data_ptr() != ptr:  # out= resized it: the shapes changed under the plan
+                raise RuntimeError(f"cuda backend: node {s.name!r} ({s.op}) wrote {tuple(slot.shape)} into its "
+                                   f"planned {tuple(shape)} slot; the step's shapes differ from the first run's")
             env[s.outputs[0]] = slot
             return
         outs = s.fn(self._args(s, env), s.attrs)
