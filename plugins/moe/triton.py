@@ -10,8 +10,8 @@ in a CUDA-graph decode step each is a launch. tanh is computed from exp (|x| >= 
 
 Also the router's selection after its sigmoid (`route`: top-k of s + bias with ties to the lower expert, the
 weights gathered, renormalized and scaled; 7 torch operations) and the routed path's sum over the k experts with the
-RMSNorm that follows it (`sum_norm`: 9 operations), and the grouped GEMMs' row layout (`layout`: a stable counting
-sort of the expert ids with the per-expert row ends, 8 operations), one launch each; all three return None where they
+RMSNorm that follows it (`sum_norm`: 9 operations), and the grouped GEMMs' row layout (`layout`: the rows sorted by
+expert, stable, with the per-expert row ends, 8 operations), one launch each; all three return None where they
 do not apply.
 
 `situ(u, g, beta, linear_beta, dtype)` refuses (ValueError naming the field) what the kernel does not take;
@@ -98,30 +98,20 @@ if triton is not None:
 
     @triton.jit
     def _layout_kernel(FLAT, ORDER, EXPERT, TOKEN, OFFS, M, K: tl.constexpr, E: tl.constexpr, BE: tl.constexpr,
-                       BM: tl.constexpr):
-        # a stable counting sort of the M = N * k expert ids by expert, in one program: pass 1 counts rows per
-        # expert (offs = the cumulative ends), pass 2 places each row at its expert's start plus its rank among the
-        # earlier rows of that expert (a running one-hot count), the order torch.sort(stable=True) gives
+                       BN: tl.constexpr, SHIFT: tl.constexpr):
+        # the M = N * k expert ids in one tile: a histogram's cumsum gives each expert's row end; a sort of the
+        # unique keys (expert << SHIFT | row) gives the rows by expert, rows of one expert in row order (the order
+        # torch.sort(stable=True) gives); padding rows sort last
+        i = tl.arange(0, BN)
+        m = i < M
+        f = tl.load(FLAT + i, mask=m, other=0).to(tl.int32)
         e = tl.arange(0, BE)
-        counts = tl.zeros([BE], dtype=tl.int32)
-        for start in range(0, M, BM):
-            i = start + tl.arange(0, BM)
-            f = tl.load(FLAT + i, mask=i < M, other=-1)
-            counts += tl.sum((f[:, None] == e[None, :]).to(tl.int32), 0)
-        ends = tl.cumsum(counts, 0)
-        tl.store(OFFS + e, ends, mask=e < E)
-        run = ends - counts
-        for start in range(0, M, BM):
-            i = start + tl.arange(0, BM)
-            m = i < M
-            f = tl.load(FLAT + i, mask=m, other=-1)
-            hot = (f[:, None] == e[None, :]).to(tl.int32)
-            pos = tl.sum(hot * (tl.cumsum(hot, 0) - 1 + run[None, :]), 1)
-            tl.store(ORDER + pos, i.to(tl.int64), mask=m)
-            tl.store(EXPERT + pos, f.to(EXPERT.dtype.element_ty), mask=m)
-            tl.store(TOKEN + pos, (i // K).to(tl.int64), mask=m)
-            run += tl.sum(hot, 0)
-
+        tl.store(OFFS + e, tl.cumsum(tl.histogram(f, BE, mask=m), 0), mask=e < E)
+        key = tl.sort(tl.where(m, (f << SHIFT) | i, 0x7FFFFFFF))
+        row = key & ((1 << SHIFT) - 1)
+        tl.store(ORDER + i, row.to(tl.int64), mask=m)
+        tl.store(EXPERT + i, (key >> SHIFT).to(tl.int64), mask=m)
+        tl.store(TOKEN + i, (row // K).to(tl.int64), mask=m)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -182,13 +172,14 @@ def route(s: torch.Tensor, bias: torch.Tensor, k: int, renormalize: bool, scalin
     return idx, wk
 
 
-MAX_LAYOUT_ROWS = 1024  # N * k of the layout kernel (one program walks the rows twice: decode and verification
-# steps; prefill chunks sort in torch, where a multi-block sort is faster)
+MAX_LAYOUT_ROWS = 1024  # N * k of the layout kernel (one tile: decode and verification steps; prefill chunks sort
+# in torch, where a multi-block sort is faster)
 
 
 def layout(flat: torch.Tensor, k: int, E: int
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The grouped GEMMs' row layout of the expert ids flat [N * k] (int64, each in [0, E)): (order [N * k] int64,
+    """The grouped GEMMs' row layout of the expert ids flat [N * k] (int64, each in [0, E): the router's ids are;
+    an id outside gives a wrong layout, where the torch form raises): (order [N * k] int64,
     the rows sorted by expert, stable; expert = flat[order]; token = order // k; offs [E] int32, the cumulative
     row ends per expert), equal to the torch form's sort / index_select / floor_divide / scatter_add_ / cumsum, in
     one launch. None when the kernel does not apply (more than MAX_LAYOUT_ROWS rows, more than MAX_EXPERTS experts)."""
@@ -199,9 +190,9 @@ def layout(flat: torch.Tensor, k: int, E: int
     order = torch.empty(M, dtype=torch.int64, device=dev)
     expert, token = torch.empty_like(order), torch.empty_like(order)
     offs = torch.empty(E, dtype=torch.int32, device=dev)
-    BE = triton.next_power_of_2(E)
-    _layout_kernel[(1,)](flat, order, expert, token, offs, M, K=k, E=E, BE=BE, BM=max(1, min(64, 8192 // BE)),
-                         num_warps=4)
+    BN = triton.next_power_of_2(M)
+    _layout_kernel[(1,)](flat, order, expert, token, offs, M, K=k, E=E, BE=triton.next_power_of_2(E), BN=BN,
+                         SHIFT=max(BN.bit_length() - 1, 1), num_warps=8 if BN >= 512 else 4)
     return order, expert, token, offs
 
 
