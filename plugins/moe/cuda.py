@@ -5,9 +5,8 @@ graph).
 Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
 (CPU, fp32) the same sorted layout through a gathered batched product. On CUDA tensors four Triton kernels
 (plugins/moe/triton.py) replace torch compositions: the router's selection after its sigmoid, the rows' layout by
-expert (a histogram and a key sort in one tile), the SiTU activation of the experts and of the shared expert, and the routed sum over k
-with its RMSNorm; the torch forms run on the CPU
-and wherever a kernel declines. Selection and weights follow the op's contract exactly (fp32 router scores, ties to the lower expert). Deterministic: the k expert rows of a token are
+expert (a histogram and a key sort in one tile), the SiTU activation of the experts and of the shared expert, and
+the routed sum over k with its RMSNorm; the torch forms run on the CPU and wherever a kernel declines. Selection and weights follow the op's contract exactly (fp32 router scores, ties to the lower expert). Deterministic: the k expert rows of a token are
 summed in a fixed order (no atomics), so two runs of a step give the same bits.
 """
 

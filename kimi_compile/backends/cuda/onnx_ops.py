@@ -88,15 +88,19 @@ def _where(x, a):
     return (torch.where(c, p, q),)
 
 
-def _cast(x, a):
-    t = torch_dtype(a["to"])
-    v = x[0]
+def _cast_source(v: torch.Tensor, t: torch.dtype, a) -> torch.Tensor:
+    """What Cast converts to dtype t: saturated for float8, bool as uint8 for floats."""
     if t in F8_MAX and a.get("saturate", 1):
         m = F8_MAX[t]
         v = v.float().clamp(-m, m)  # ONNX saturate: out-of-range finite values go to the largest code
     if v.dtype == torch.bool and t.is_floating_point:
         v = v.to(torch.uint8)
-    return (v.to(t),)
+    return v
+
+
+def _cast(x, a):
+    t = torch_dtype(a["to"])
+    return (_cast_source(x[0], t, a).to(t),)
 
 
 # ---- shape ops ----------------------------------------------------------------------------------------------------
@@ -337,13 +341,19 @@ def _softmax(x, a):
     return (torch.softmax(x[0].float(), dim=a.get("axis", -1)).to(x[0].dtype),)
 
 
-def _rms_norm(x, a):
+def _rms_normalized(x, a) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNormalization before its scale: (y in the stash dtype, the scale in y's dtype)."""
     data, scale = x[0], x[1]
     ax = _axis(a.get("axis", -1), data.dim())
     dims = tuple(range(ax, data.dim()))
     xf = data.float() if a.get("stash_type", 1) == 1 else data
     y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + a.get("epsilon", 1e-5))
-    return ((y * scale.to(y.dtype)).to(data.dtype),)
+    return y, scale.to(y.dtype)
+
+
+def _rms_norm(x, a):
+    y, scale = _rms_normalized(x, a)
+    return ((y * scale).to(x[0].dtype),)
 
 
 def _layer_norm(x, a):
@@ -446,13 +456,7 @@ def _out_matmul(x, a, out):
 
 
 def _out_cast(x, a, out):
-    t = torch_dtype(a["to"])
-    v = x[0]
-    if t in F8_MAX and a.get("saturate", 1):
-        v = v.float().clamp(-F8_MAX[t], F8_MAX[t])
-    if v.dtype == torch.bool and t.is_floating_point:
-        v = v.to(torch.uint8)
-    out.copy_(v)
+    out.copy_(_cast_source(x[0], torch_dtype(a["to"]), a))
 
 
 def _out_concat(x, a, out):
@@ -461,12 +465,8 @@ def _out_concat(x, a, out):
 
 
 def _out_rms_norm(x, a, out):
-    data, scale = x[0], x[1]
-    ax = _axis(a.get("axis", -1), data.dim())
-    dims = tuple(range(ax, data.dim()))
-    xf = data.float() if a.get("stash_type", 1) == 1 else data
-    y = xf * torch.rsqrt(xf.pow(2).mean(dim=dims, keepdim=True) + a.get("epsilon", 1e-5))
-    torch.mul(y, scale.to(y.dtype), out=out)  # rounded to the output's dtype as the TABLE form's .to() rounds
+    y, scale = _rms_normalized(x, a)
+    torch.mul(y, scale, out=out)  # rounded to the output's dtype as the TABLE form's .to() rounds
 
 
 OUT_TABLE: dict[str, Callable] = {
