@@ -116,16 +116,14 @@ if triton is not None:
     def _conv_step(U, CS, CW, bid, col, su, scs_b, scs_t, valid):
         # one decode token of the kernel-4 depthwise conv over the carried window [w0, w1, w2], in the compute dtype
         # of u (the torch form casts the window and the weights to it, convolves and applies SiLU in it):
-        # y = silu(c0 w0 + c1 w1 + c2 w2 + c3 u); on a valid row the window becomes [w1, w2, u]. Every value is loaded before the barrier and stored after
-        # it, so threads holding the same channel (small head dims replicate a [D] vector) cannot read a moved one.
+        # y = silu(c0 w0 + c1 w1 + c2 w2 + c3 u); on a valid row the window becomes [w1, w2, u]. Every value is
+        # loaded before the barrier and stored after it, so threads holding the same channel (small head dims
+        # replicate a [D] vector) cannot read a moved one.
         x = tl.load(U + bid * su + col)
         cs = CS + bid * scs_b + col
-        w0 = tl.load(cs)
-        w1 = tl.load(cs + scs_t)
-        w2 = tl.load(cs + 2 * scs_t)
-        w0 = w0.to(x.dtype)
-        w1 = w1.to(x.dtype)
-        w2 = w2.to(x.dtype)
+        w0 = tl.load(cs).to(x.dtype)
+        w1 = tl.load(cs + scs_t).to(x.dtype)
+        w2 = tl.load(cs + 2 * scs_t).to(x.dtype)
         acc = (w0.to(tl.float32) * tl.load(CW + col * 4).to(x.dtype).to(tl.float32)
                + w1.to(tl.float32) * tl.load(CW + col * 4 + 1).to(x.dtype).to(tl.float32)
                + w2.to(tl.float32) * tl.load(CW + col * 4 + 2).to(x.dtype).to(tl.float32)
@@ -234,9 +232,8 @@ def decode_prepare_unsupported(u, conv_state, conv_w, f, b, lengths, A_log, dt_b
         return f"kda_decode_prepare: the head dim must be a power of two >= 16, got {D}"
     if conv_w.dim() != 2 or tuple(conv_w.shape) != (P3, 4):
         return f"kda_decode_prepare: conv_w must be [{P3}, 4] (kernel size 4), got {tuple(conv_w.shape)}"
-    W = 4
-    if tuple(conv_state.shape) != (B, W - 1, P3) or conv_state.stride(-1) != 1:
-        return (f"kda_decode_prepare: conv_state must be [{B}, {W - 1}, {P3}] with unit last stride, got "
+    if tuple(conv_state.shape) != (B, 3, P3) or conv_state.stride(-1) != 1:
+        return (f"kda_decode_prepare: conv_state must be [{B}, 3, {P3}] with unit last stride, got "
                 f"{tuple(conv_state.shape)}")
     if tuple(f.shape) != (B, 1, P3 // 3) or tuple(b.shape) != (B, 1, H):
         return f"kda_decode_prepare: f must be [{B}, 1, {P3 // 3}] and b [{B}, 1, {H}], got {tuple(f.shape)}, " \
