@@ -6,7 +6,8 @@ D < 128 is replicated over the program's threads, so the window shift must not r
 sequence, so only the GPU run of these tests can show a race).
 
 Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise. Tolerances:
-float32 relative error (norm) < 1e-5 on every output and the new conv window equal exactly; bfloat16 the delta-rule
+float32 relative error (norm) < 1e-5 on every output and the new conv window equal exactly where both sides take the
+same u (the whole-layer test: within 1e-6, u's GEMM rounds differently on cuBLAS and the CPU); bfloat16 the delta-rule
 inputs within 1e-2 relative (norm), v and the conv window within one bf16 ulp, the layer output within 2e-2 (the
 interpreter truncates casts to bf16, the GPU rounds). The refusal test runs everywhere.
 """
@@ -97,7 +98,9 @@ def test_decode_fused_equals_the_torch_form(dt):
     assert _rel(got.cpu(), want) < tol
     assert _rel(got_state.cpu(), want_state) < (1e-5 if dt == torch.float32 else 1e-2)
     assert torch.equal(got_state.cpu()[1], x[2][1])  # the padding row's state is untouched
-    assert _rel(got_cs.cpu(), want_cs) <= (0 if dt == torch.float32 else 2 ** -8)
+    # the window holds u = h @ [w_q | w_k | w_v]: cuBLAS and the CPU round that GEMM differently (rel 7.2e-8 in fp32
+    # on an H100); within the GEMM's rounding, not bit-equal
+    assert _rel(got_cs.cpu(), want_cs) <= (1e-6 if dt == torch.float32 else 2 ** -8)
 
 
 @kernels
