@@ -552,7 +552,17 @@ def kda_prefill_section(args):
         core_bytes = T * H * D * (2 * 4 + 4) + T * H * 4
         io_bytes = T * C * 2 * 5 + T * H * 2 + T * C * 2  # x q/k/v, f, gate, b in; out
         flops = 2 * H * (6 * T * D * D + 3 * T * 64 * D + T * 64 * 64)
-        q, k, v, g, beta = ktk.kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias)
+        # ours takes the layer's inputs as the cuda backend has them: u = [xq | xk | xv], the conv weights stacked, a
+        # carried window (zero: a first chunk), lengths, the state (zero) updated in place
+        u = torch.cat([xq, xk, xv], -1)
+        cw = torch.cat([wq, wk, wv], 0)
+        window = torch.zeros(1, 3, 3 * C, device=DEV, dtype=torch.bfloat16)
+        lengths = torch.full((1,), T, device=DEV, dtype=torch.int64)
+        state = torch.zeros(1, H, D, D, device=DEV)
+        pre = {"scale": D ** -0.5, "l2_eps": 1e-6}
+        q, k, v, fm, beta = ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre)
+        g = -5.0 * torch.sigmoid(A_log.exp().view(H, 1) * (fm.float() + dt_bias.view(H, D)))  # core-only row's gate
+        del fm
 
         def fla_pipeline():
             cq = causal_conv1d(xq, wq, activation="silu")[0]
@@ -565,7 +575,8 @@ def kda_prefill_section(args):
             return rms_norm_gated(o, gate.view(1, T, H, D), ow, None, activation="sigmoid", eps=1e-5), st
 
         def ours():
-            return ktk.kda_prefill_fused(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, ow)
+            return ktk.kda_prefill(u, window, cw, f, b, lengths, A_log, dt_bias, gate, ow, state, lower_bound=-5.0,
+                                   eps=1e-5, **pre), state
 
         try:
             fo, fS = fla_pipeline()
@@ -578,11 +589,11 @@ def kda_prefill_section(args):
                lambda: chunk_kda(q, k, v, g, beta, scale=1.0, output_final_state=True), graph=False, reps=rp)
         record("kda_prefill", case, "fla pipeline: conv x3 + chunk_kda(in-kernel l2/gate/beta) + rms_norm_gated",
                shape, core_bytes + io_bytes, flops, fla_pipeline, graph=False, reps=rp)
-        record("kda_prefill", case, "ours: fused pre + fla chunk_kda (in-kernel gate) + fused post", shape,
+        record("kda_prefill", case, "ours: fused pre (carried window, lengths) + fla chunk_kda (in-kernel gate) + fused post", shape,
                core_bytes + io_bytes, flops, ours, graph=False, reps=rp, check=chk)
         _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T)
-        record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 4 + T * H * D * (6 + 4), 0,
-               lambda: ktk.kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias), graph=False, reps=rp)
+        record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 8 + T * H * 6, 0,
+               lambda: ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre), graph=False, reps=rp)
         if H == 12:
             try:
                 from fla.ops.kda.naive import naive_chunk_kda
@@ -595,7 +606,7 @@ def kda_prefill_section(args):
                        core_bytes + io_bytes, flops, eager, graph=False, reps=2)
             except Exception as e:
                 log("eager prefill failed:", e)
-        del xq, xk, xv, f, gate, q, k, v, g, beta
+        del xq, xk, xv, f, gate, q, k, v, g, beta, u, state
         torch.cuda.empty_cache()
         flush_json(args)
 

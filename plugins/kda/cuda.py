@@ -1,8 +1,9 @@
 """cuda backend kernel for kimi.KDA (one whole KDA layer), composed from GEMMs, a depthwise conv over the carried
 window, and the gated delta rule: on the GPU one token runs `decode_fused` (the projections, then three Triton
 kernels from plugins/kda/triton.py: the pre-work, the decode step with the state updated in place, the output norm
-and gate) and longer steps the torch pre/post work around fla-core's chunk_kda; on the CPU the reference model's
-torch recurrences.
+and gate) and longer steps `prefill_fused` (the projections, the Triton pre-kernel, fla-core's chunk_kda with its
+in-kernel gate, the output norm-and-gate kernel); the torch form (`prepare`, the recurrence, the torch post-work)
+where those kernels do not apply; on the CPU the reference model's torch recurrences.
 
 Padding rows (t >= lengths[b]) get g = 0 and beta = 0, so the state is untouched there, exactly as the op's
 contract says; the conv window and the state are written in place (outputs 1 and 2 alias inputs 1 and 2).
@@ -55,8 +56,8 @@ def _recurrence(q, k, v, g, beta, state):
 def kda(x, a):
     (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
      o_norm, w_o) = x
-    if h.is_cuda and h.shape[1] == 1:
-        out = decode_fused(x, a)
+    if h.is_cuda:
+        out = decode_fused(x, a) if h.shape[1] == 1 else prefill_fused(x, a)
         if out is not None:
             return out
     q, k, v, g, beta = prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b,
@@ -97,6 +98,35 @@ def decode_fused(x, a):
                                               l2_eps=a["l2_eps"], lower_bound=a["lower_bound"])
     o = ktk.kda_decode_step(q, k, v, g, beta, state, out=torch.empty(B, H, D, dtype=torch.float32, device=h.device))
     y = ktk.kda_output_norm_gate(o.view(B, T, H, D), h @ w_g.to(dt), o_norm, a["eps"], out_dtype=dt)
+    return y @ w_o.to(dt), conv_state, state
+
+
+def prefill_fused(x, a):
+    """T > 1 tokens of the layer: the six projections (cuBLAS), `kda_prefill_prepare` (one Triton launch: the conv
+    over the carried window, SiLU, L2 norms, beta, the gate input masked on padding rows, the window advanced in
+    place), fla-core's chunk_kda with its in-kernel safe gate (the state updated in place) and the output
+    norm-and-gate kernel (plugins/kda/triton.py `kda_prefill`). Returns None (the caller takes the torch form) where
+    the pre-kernel does not apply (`prefill_prepare_unsupported`)."""
+    from kimi_compile.plugins.kda import triton as ktk
+
+    (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
+     o_norm, w_o) = x
+    B, T, _ = h.shape
+    H = A_log.numel()
+    dt = h.dtype
+    P = w_q.shape[1]
+    cw = _cat_once([conv_q, conv_k, conv_v], 0)
+    cw = cw.reshape(cw.shape[0], cw.shape[-1])
+    if ktk.prefill_prepare_unsupported(h.new_empty(B, T, 3 * P), conv_state, cw, h.new_empty(B, T, P),
+                                       h.new_empty(B, T, H), lengths) is not None:
+        return None  # decided on the shapes the projections will have, before any of them runs
+    if not (state.dtype == torch.float32 and state.is_contiguous()):
+        return None
+    u = h @ _cat_once([w_q, w_k, w_v], 1).to(dt)
+    f = (h @ w_f_a.to(dt)) @ w_f_b.to(dt)
+    y = ktk.kda_prefill(u, conv_state, cw, f, h @ w_b.to(dt), lengths, A_log.float(), dt_bias.float().reshape(H, -1),
+                        h @ w_g.to(dt), o_norm, state, scale=a["scale"], l2_eps=a["l2_eps"],
+                        lower_bound=a["lower_bound"], eps=a["eps"])
     return y @ w_o.to(dt), conv_state, state
 
 

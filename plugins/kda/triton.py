@@ -1,18 +1,19 @@
 """Triton kernels for KDA: the recurrent decode step (state updated in place) and the fused prefill pre/post work
 around fla-core's `chunk_kda` (the chunked WY/UT core; fla is a dependency of the CUDA backend). Semantics:
-plugins/kda/reference.py (`kda_step_ref`, `kda_prefill_preprocess_ref`, `kda_output_norm_ref`,
-`kda_prefill_fused_ref`).
+plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda backend's torch form
+(plugins/kda/cuda.py `prepare`), which the prepare kernels' tests hold them to.
 
 - `kda_decode_step`: grid (B*H, V / BV); a program loads its [K, BV] fp32 slice of the state once, applies decay,
   delta correction, rank-1 update and readout in registers and writes the slice back in place. Optional in-kernel L2
   norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid. BV = 32 below 1024
   (sequence, head) pairs, 64 from there (at most V).
-- `kda_prefill_preprocess`: one pass over the projection outputs: causal depthwise conv (kernel 4, zero history) +
-  SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate, beta sigmoid.
+- `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (B, T / 32, H): conv over [carried window
+  | u] (the window advanced in place by the first tile's program) + SiLU for q/k/v, L2 norm of q/k (q scaled), beta
+  sigmoid, the gate input f set to -inf on padding rows (the gate itself is computed in fla's chunk_kda).
 - `kda_decode_prepare`: one decode token's delta-rule inputs in one launch: conv over the carried window (advanced in
   place) + SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate and beta sigmoid, zeroed on padding rows.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
-- `kda_prefill_fused`: preprocess (no gate) -> fla chunk_kda with its in-kernel fp32 safe gate -> output norm/gate.
+- `kda_prefill`: prepare -> fla chunk_kda with its in-kernel fp32 safe gate (state in place) -> output norm/gate.
 History of these kernels (what was tried, what was measured): docs/kernels/kda.md.
 """
 
@@ -63,20 +64,33 @@ if triton is not None:
         tl.store(O + bh * DV + dv, o.to(O.dtype.element_ty))
 
     @triton.jit
-    def _conv_silu_tile(X, W, stride_t, t, c, T):
-        # y[t, c] = silu(sum_j w[c, j] x[t - 3 + j, c]), zero history; X points at this sequence's row 0
-        acc = tl.zeros([t.shape[0], c.shape[0]], tl.float32)
+    def _conv_tile(U, CS, CW, bid, t, col, tm, su_b, su_t, scs_b, scs_t):
+        # y[t, c] = silu(sum_j w[c, j] x[t - 3 + j, c]) over [carried window | u]: times t - 3 + j < 0 read the
+        # window (rows 0..2). In u's dtype, as the torch form (conv1d of the cast window and weights, then SiLU in
+        # it): the four products accumulate in fp32, the sum and the SiLU round to u's dtype.
+        acc = tl.zeros([t.shape[0], col.shape[0]], tl.float32)
         for j in tl.static_range(4):
             tt = t - 3 + j
-            m = (tt >= 0) & (tt < T)
-            x = tl.load(X + tt[:, None] * stride_t + c[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-            acc += x * tl.load(W + c * 4 + j).to(tl.float32)[None, :]
-        return acc * tl.sigmoid(acc)
+            inu = tt >= 0
+            x = tl.load(U + bid * su_b + tt[:, None] * su_t + col[None, :], mask=(tm & inu)[:, None], other=0.0)
+            w = tl.load(CS + bid * scs_b + (tt + 3)[:, None] * scs_t + col[None, :], mask=(tm & ~inu)[:, None],
+                        other=0.0).to(x.dtype)
+            cw = tl.load(CW + col * 4 + j).to(x.dtype).to(tl.float32)
+            acc += tl.where(inu[:, None], x, w).to(tl.float32) * cw[None, :]
+        y = acc.to(U.dtype.element_ty).to(tl.float32)
+        return (y * tl.sigmoid(y)).to(U.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _kda_pre_kernel(XQ, XK, XV, WQ, WK, WV, F, BB, A_LOG, DT_BIAS, OQ, OK, OV, OG, OB,
-                        T, sxq, sxk, sxv, sf, sb, scale, lower_bound,
-                        H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, WRITE_G: tl.constexpr):
+    def _window_src(U, CS, bid, j, col, m, su_b, su_t, scs_b, scs_t):
+        # row j of [carried window | u] (j < 3: the window, cast through u's dtype as the torch form's cat does)
+        fromw = j < 3
+        w = tl.load(CS + bid * scs_b + j[:, None] * scs_t + col[None, :], mask=(m & fromw)[:, None], other=0.0)
+        x = tl.load(U + bid * su_b + (j - 3)[:, None] * su_t + col[None, :], mask=(m & ~fromw)[:, None], other=0.0)
+        return tl.where(fromw[:, None], w.to(x.dtype), x)
+
+    @triton.jit
+    def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OF, OB, T, su_b, su_t, scs_b, scs_t, sf_b, sf_t,
+                                sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
         bid = tl.program_id(0).to(tl.int64)
         it = tl.program_id(1)
         h = tl.program_id(2)
@@ -84,22 +98,36 @@ if triton is not None:
         tm = t < T
         dd = tl.arange(0, D)
         c = h * D + dd
+        P = H * D
+        n = tl.minimum(tl.load(LEN + bid).to(tl.int32), T)
+        valid = tm & (t < n)
+        # the new window (rows n, n+1, n+2 of [window | u]) of this head's channels; only the first tile reads the
+        # old window (BT >= 3), so its program loads these before anything is stored and writes them last
+        i = tl.arange(0, 4)
+        wm = (i < 3) & (tl.full([4], it, tl.int32) == 0)
+        nq = _window_src(U, CS, bid, n + i, c, wm, su_b, su_t, scs_b, scs_t)
+        nk = _window_src(U, CS, bid, n + i, P + c, wm, su_b, su_t, scs_b, scs_t)
+        nv = _window_src(U, CS, bid, n + i, 2 * P + c, wm, su_b, su_t, scs_b, scs_t)
         orow = ((bid * T + t[:, None]) * H + h) * D + dd[None, :]
-        q = _conv_silu_tile(XQ + bid * T * sxq, WQ, sxq, t, c, T)
-        q = q / tl.sqrt(tl.sum(q * q, 1) + 1e-6)[:, None] * scale
+        q = _conv_tile(U, CS, CW, bid, t, c, tm, su_b, su_t, scs_b, scs_t)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + l2_eps) * scale)[:, None]
         tl.store(OQ + orow, q.to(OQ.dtype.element_ty), mask=tm[:, None])
-        k = _conv_silu_tile(XK + bid * T * sxk, WK, sxk, t, c, T)
-        k = k / tl.sqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        k = _conv_tile(U, CS, CW, bid, t, P + c, tm, su_b, su_t, scs_b, scs_t)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + l2_eps)[:, None]
         tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=tm[:, None])
-        v = _conv_silu_tile(XV + bid * T * sxv, WV, sxv, t, c, T)
+        v = _conv_tile(U, CS, CW, bid, t, 2 * P + c, tm, su_b, su_t, scs_b, scs_t)
         tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=tm[:, None])
-        if WRITE_G:
-            f = tl.load(F + (bid * T + t[:, None]) * sf + c[None, :], mask=tm[:, None], other=0.0).to(tl.float32)
-            a = tl.exp(tl.load(A_LOG + h).to(tl.float32))
-            g = lower_bound * tl.sigmoid(a * (f + tl.load(DT_BIAS + c).to(tl.float32)[None, :]))
-            tl.store(OG + orow, g, mask=tm[:, None])
-        braw = tl.load(BB + (bid * T + t) * sb + h, mask=tm, other=0.0).to(tl.float32)
-        tl.store(OB + (bid * T + t) * H + h, tl.sigmoid(braw), mask=tm)
+        # the gate's input, -inf on padding rows: fla's in-kernel safe gate lower_bound * sigmoid(exp(A_log) * (f +
+        # dt_bias)) is then exactly 0 there, so the state does not decay
+        f = tl.load(FP + bid * sf_b + t[:, None] * sf_t + c[None, :], mask=tm[:, None], other=0.0)
+        tl.store(OF + orow, tl.where(valid[:, None], f, float("-inf")).to(OF.dtype.element_ty), mask=tm[:, None])
+        braw = tl.load(BP + bid * sb_b + t * sb_t + h, mask=tm, other=0.0).to(tl.float32)
+        tl.store(OB + (bid * T + t) * H + h, tl.sigmoid(braw) * valid.to(tl.float32), mask=tm)
+        tl.debug_barrier()
+        wp = CS + bid * scs_b + i[:, None] * scs_t
+        tl.store(wp + c[None, :], nq.to(CS.dtype.element_ty), mask=wm[:, None])
+        tl.store(wp + P + c[None, :], nk.to(CS.dtype.element_ty), mask=wm[:, None])
+        tl.store(wp + 2 * P + c[None, :], nv.to(CS.dtype.element_ty), mask=wm[:, None])
 
     @triton.jit
     def _kda_post_kernel(O, GATE, W, OUT, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BR: tl.constexpr):
@@ -275,31 +303,64 @@ def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, 
     return oq, ok, ov, og, ob
 
 
-def kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound: float = -5.0,
-                           scale: float | None = None, write_g: bool = True):
-    """Projection outputs x* [B, T, H*D] (rows may be strided, e.g. views of one qkv tensor; unit last stride),
-    depthwise conv weights w* [H*D, 4], raw gate input f [B, T, H*D], raw beta b [B, T, H], A_log [H],
-    dt_bias [H*D] -> q, k, v [B, T, H, D] bf16 (conv + SiLU; q and k L2-normalised, q times scale, default D^-0.5),
-    g [B, T, H, D] fp32 (the safe gate; None when not write_g, the gate is then left to fla's kernel),
-    beta [B, T, H] fp32 (sigmoid). New tensors; the inputs are not modified."""
-    _need_triton()
-    B, T, H = b.shape
-    D = xq.shape[-1] // H
-    scale = D ** -0.5 if scale is None else scale
-    for name, x in (("xq", xq), ("xk", xk), ("xv", xv), ("f", f), ("b", b)):
-        _need(x.stride(-1) == 1 and x.stride(0) == T * x.stride(1),
-              f"kda_prefill_preprocess: {name} must be row-strided [B, T, C] with unit last stride")
-    dev = xq.device
-    oq = torch.empty(B, T, H, D, dtype=torch.bfloat16, device=dev)
+def prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths) -> str | None:
+    """Why `kda_prefill_prepare` does not take these inputs, naming the field; None when it does."""
+    if triton is None:
+        return "triton is not installed"
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (u.device.type == "cuda" or interp):
+        return f"kda_prefill_prepare: u must be a CUDA tensor, got {u.device}"
+    if u.dim() != 3 or b.dim() != 3:
+        return f"kda_prefill_prepare: u must be [B, T, 3P] and b [B, T, H], got {tuple(u.shape)}, {tuple(b.shape)}"
+    B, T, P3 = u.shape
+    H = b.shape[-1]
+    if P3 % 3 or (P3 // 3) % H:
+        return f"kda_prefill_prepare: u's width {P3} is not 3 x heads ({H}) x head dim"
+    D = P3 // 3 // H
+    if D & (D - 1) or D < 16:
+        return f"kda_prefill_prepare: the head dim must be a power of two >= 16, got {D}"
+    if conv_w.dim() != 2 or tuple(conv_w.shape) != (P3, 4):
+        return f"kda_prefill_prepare: conv_w must be [{P3}, 4] (kernel size 4), got {tuple(conv_w.shape)}"
+    if tuple(conv_state.shape) != (B, 3, P3) or conv_state.stride(-1) != 1:
+        return (f"kda_prefill_prepare: conv_state must be [{B}, 3, {P3}] with unit last stride, got "
+                f"{tuple(conv_state.shape)}")
+    if tuple(f.shape) != (B, T, P3 // 3) or tuple(b.shape) != (B, T, H):
+        return f"kda_prefill_prepare: f must be [{B}, {T}, {P3 // 3}] and b [{B}, {T}, {H}], got " \
+               f"{tuple(f.shape)}, {tuple(b.shape)}"
+    if lengths.numel() != B or lengths.dtype.is_floating_point:
+        return f"kda_prefill_prepare: lengths must hold {B} integers, got {lengths.dtype} {tuple(lengths.shape)}"
+    for name, t in (("u", u), ("f", f), ("b", b)):
+        if t.stride(-1) != 1:
+            return f"kda_prefill_prepare: {name} must have unit last stride"
+    return None
+
+
+def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l2_eps: float):
+    """The delta rule's inputs for T tokens of a KDA layer in one launch (the torch form is plugins/kda/cuda.py
+    `prepare`, whose gate this leaves to fla's chunk_kda): u = h @ [w_q | w_k | w_v] [B, T, 3P], the carried conv
+    window conv_state [B, 3, 3P] (advanced IN PLACE to the last three of each row's lengths[b] tokens), depthwise conv
+    weights conv_w [3P, 4], the gate's input f [B, T, P], the beta projection b [B, T, H], lengths [B] (valid tokens
+    per row, <= T). The conv and its SiLU run in u's dtype, as the torch form's do.
+    Returns q, k, v [B, T, H, D] in u's dtype (q and k L2-normalised with l2_eps inside the root, q times scale),
+    f [B, T, H, D] in f's dtype with -inf on padding rows (t >= lengths[b]: fla's in-kernel safe gate is then 0),
+    beta [B, T, H] fp32 (sigmoid, 0 on padding rows). New tensors, except the window."""
+    why = prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths)
+    if why is not None:
+        raise ValueError(why)
+    B, T, P3 = u.shape
+    H = b.shape[-1]
+    D = P3 // 3 // H
+    dev = u.device
+    oq = torch.empty(B, T, H, D, dtype=u.dtype, device=dev)
     ok, ov = torch.empty_like(oq), torch.empty_like(oq)
-    og = torch.empty(B, T, H, D, dtype=torch.float32, device=dev) if write_g else oq
+    of = torch.empty(B, T, H, D, dtype=f.dtype, device=dev)
     ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
     bt = 32
-    grid = (B, triton.cdiv(T, bt), H)
-    _kda_pre_kernel[grid](xq, xk, xv, wq.contiguous(), wk.contiguous(), wv.contiguous(), f, b, A_log, dt_bias,
-                          oq, ok, ov, og, ob, T, xq.stride(1), xk.stride(1), xv.stride(1), f.stride(1), b.stride(1),
-                          scale, lower_bound, H=H, D=D, BT=bt, WRITE_G=write_g, num_warps=4)
-    return oq, ok, ov, (og if write_g else None), ob
+    _kda_prefill_pre_kernel[(B, triton.cdiv(T, bt), H)](
+        u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, of, ob, T,
+        u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), f.stride(0), f.stride(1), b.stride(0),
+        b.stride(1), scale, l2_eps, H=H, D=D, BT=bt, num_warps=4)
+    return oq, ok, ov, of, ob
 
 
 def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfloat16):
@@ -316,20 +377,17 @@ def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfl
     return out
 
 
-def kda_prefill_fused(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, o_weight, *, lower_bound: float = -5.0,
-                      scale: float | None = None, eps: float = 1e-5, initial_state=None,
-                      output_final_state: bool = True, **unknown):
-    """KDA prefill core: `kda_prefill_preprocess` (conv, SiLU, L2 norms, beta; no gate) -> fla-core chunk_kda
-    (chunk 64, its in-kernel fp32 safe gate from f, A_log, dt_bias) -> `kda_output_norm_gate`. Shapes as in
-    `kda_prefill_preprocess`; gate [B, T, H*D], o_weight [D], initial_state [B, H, K, V] fp32 or None (not
-    modified). Returns (out [B, T, H*D] bf16, final_state [B, H, K, V] fp32, a new tensor, or None)."""
-    _no_unknown("kda_prefill_fused", unknown)
+def kda_prefill(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, gate, o_weight, state, *, scale: float,
+                l2_eps: float, lower_bound: float, eps: float):
+    """T tokens of a KDA layer's core: `kda_prefill_prepare` -> fla-core chunk_kda (chunk 64, its in-kernel fp32
+    safe gate from f, A_log [H], dt_bias [P]) from `state` [B, H, D, D] fp32, which is updated IN PLACE ->
+    `kda_output_norm_gate` (gate [B, T, P], o_weight [D]). Inputs as in `kda_prefill_prepare`; the window advances in
+    place. Returns the normed, gated output [B, T, P] in u's dtype (before the output projection)."""
     from fla.ops.kda import chunk_kda
 
-    q, k, v, _, beta = kda_prefill_preprocess(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, lower_bound, scale,
-                                              write_g=False)
-    B, T, H = b.shape
-    o, st = chunk_kda(q, k, v, f.reshape(B, T, H, -1), beta, scale=1.0, initial_state=initial_state,
-                      output_final_state=output_final_state, use_gate_in_kernel=True, safe_gate=True,
-                      lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias)
-    return kda_output_norm_gate(o, gate, o_weight, eps), st
+    q, k, v, fm, beta = kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, scale=scale, l2_eps=l2_eps)
+    o, final = chunk_kda(q, k, v, fm, beta, scale=1.0, initial_state=state, output_final_state=True,
+                         use_gate_in_kernel=True, safe_gate=True, lower_bound=lower_bound, A_log=A_log,
+                         dt_bias=dt_bias)
+    state.copy_(final)
+    return kda_output_norm_gate(o, gate, o_weight, eps, out_dtype=u.dtype)

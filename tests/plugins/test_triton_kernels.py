@@ -582,30 +582,6 @@ def test_kda_decode_step(fused):
     assert rel(out, ro) < 1e-5 and rel(S, rS) < 1e-5  # S: updated in place
 
 
-@gpu
-def test_kda_prefill_fused():
-    pytest.importorskip("fla", reason="kda_prefill_fused runs fla-core's chunk_kda")
-    gen = torch.Generator().manual_seed(9)
-    B, T, H, D = 2, 200, 4, 128
-    C = H * D
-    xq, xk, xv, f, gate = (torch.randn(B, T, C, generator=gen).bfloat16() for _ in range(5))
-    wq, wk, wv = (torch.randn(C, 4, generator=gen).bfloat16() * 0.5 for _ in range(3))
-    b = torch.randn(B, T, H, generator=gen).bfloat16()
-    A_log = torch.randn(H, generator=gen) * 0.5
-    dt_bias = torch.randn(C, generator=gen) * 0.5
-    ow = (1 + 0.1 * torch.randn(D, generator=gen)).bfloat16()
-    ref, rS = kref.kda_prefill_fused_ref(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, ow)
-    # pre-work alone, float32 outputs (bf16 storage)
-    q, k, v, g, beta = ktk.kda_prefill_preprocess(*(x.to(DEV) for x in (xq, xk, xv, wq, wk, wv, f, b, A_log,
-                                                                        dt_bias)))
-    rq, rk, rv, rg, rb = kref.kda_prefill_preprocess_ref(xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias)
-    for a, r_ in ((q, rq), (k, rk), (v, rv), (g, rg), (beta, rb)):
-        assert rel(a, r_) < 1e-2
-    out, S = ktk.kda_prefill_fused(*(x.to(DEV) for x in (xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, gate, ow)))
-    assert rel(out, ref) < 1e-2
-    assert rel(S, rS) < 1e-2
-
-
 def test_mx_kernels_refuse_and_fall_back_with_reasons(caplog):
     """Build-time refusals name the attribute; at run time a tensor the kernels do not take (CPU, a last dim that is
     not a power of two) runs the torch twin, said once."""

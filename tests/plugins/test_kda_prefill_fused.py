@@ -1,0 +1,136 @@
+"""The cuda backend's fused KDA prefill (plugins/kda/cuda.py `prefill_fused`: the projections, the Triton pre-kernel
+`kda_prefill_prepare`, fla-core's chunk_kda with its in-kernel gate, the output norm-and-gate kernel) against the
+torch form it replaces (`prepare` + the recurrence + the torch post-work), on fresh random inputs with a carried conv
+window and rows of every kind: a full row, a row ending mid-chunk, a row of two tokens (its new window takes a row of
+the old one) and a padding row (lengths 0: its window and state must not move); T not a multiple of the kernel's
+32-token tiles.
+
+Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise; the
+whole-layer test needs fla-core's chunk_kda, so a CUDA GPU. Tolerances: float32 q, k, v, beta and the gate made from
+the masked f within 1e-5 relative (norm), the masked f and the new window equal exactly; bfloat16 q and k within 1e-2
+(the kernel hands chunk_kda q and k in u's dtype, the torch form keeps them in float32 until then), v and the window
+within one bf16 ulp (the interpreter truncates casts to bf16, the GPU rounds). The layer: output and state within 1e-3
+(float32) and 2e-2 / 1e-2 (bfloat16) of the torch form on the same GPU. The refusal test runs everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kimi_compile.plugins.kda import cuda as kcuda
+from kimi_compile.plugins.kda import triton as ktk
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET else "cuda"
+kernels = pytest.mark.skipif(ktk.triton is None or not (INTERPRET or torch.cuda.is_available()),
+                             reason="the Triton kernels need triton and a CUDA GPU (or TRITON_INTERPRET=1)")
+ATTRS = {"scale": 0.17, "l2_eps": 0.3, "lower_bound": -5.0, "eps": 1e-5}  # an eps large enough to matter
+
+
+def _layer(B, T, H, D, hidden, dt, gen, lengths):
+    P = H * D
+    r = lambda *s, k=1.0: (torch.randn(*s, generator=gen) * k).to(dt)
+    h = r(B, T, hidden)
+    conv_state = r(B, 3, 3 * P)
+    state = torch.randn(B, H, D, D, generator=gen) * 0.3
+    ws = [r(hidden, P, k=hidden ** -0.5) for _ in range(3)]
+    convs = [r(P, 1, 4, k=0.5) for _ in range(3)]
+    lora = 8
+    rest = [r(hidden, lora, k=hidden ** -0.5), r(lora, P, k=lora ** -0.5), r(hidden, H, k=hidden ** -0.5),
+            r(hidden, P, k=hidden ** -0.5), torch.randn(H, generator=gen) * 0.5, torch.randn(P, generator=gen) * 0.5,
+            1.0 + 0.1 * r(D), r(P, hidden, k=P ** -0.5)]
+    return [h, conv_state, state, torch.tensor(lengths, dtype=torch.int64), *ws, *convs, *rest]
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def _to(x, dev):
+    return [t.to(dev) for t in x]
+
+
+@kernels
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 16])
+def test_prefill_prepare_matches_the_torch_form(dt, D):
+    gen = torch.Generator().manual_seed(D * 5 + (dt == torch.bfloat16))
+    B, T, H = 4, 45, 4
+    x = _layer(B, T, H, D, 48, dt, gen, [T, 20, 2, 0])
+    (h, cs, _, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, _, A_log, dt_bias, _, _) = x
+    cs_ref = cs.clone()
+    want = kcuda.prepare(h, cs_ref, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, A_log, dt_bias, ATTRS)
+    u = h @ torch.cat([w_q, w_k, w_v], 1)
+    f, b = (h @ w_f_a) @ w_f_b, h @ w_b
+    cw = torch.cat([c_q, c_k, c_v], 0).reshape(-1, 4)
+    cs_dev = cs.clone().to(DEV)
+    q, k, v, fm, beta = (t.cpu() for t in ktk.kda_prefill_prepare(
+        *_to([u], DEV), cs_dev, *_to([cw, f, b, lengths], DEV), scale=ATTRS["scale"], l2_eps=ATTRS["l2_eps"]))
+    assert q.dtype == k.dtype == v.dtype == dt and fm.dtype == dt and beta.dtype == torch.float32
+    for name, g_, w_ in (("q", q, want[0]), ("k", k, want[1]), ("v", v, want[2]), ("beta", beta, want[4])):
+        tol = 1e-5 if dt == torch.float32 else (2 ** -7 if name in ("v", "beta") else 1e-2)
+        assert _rel(g_.float(), w_.float()) < tol, (name, _rel(g_.float(), w_.float()))
+    valid = (torch.arange(T).reshape(1, T) < lengths.reshape(B, 1)).reshape(B, T, 1, 1)
+    assert torch.equal(fm, torch.where(valid, f.reshape(B, T, H, D), float("-inf")))
+    # the gate chunk_kda makes from the masked f (the torch form's formula): 0 on padding rows, as the torch form's
+    g = ATTRS["lower_bound"] * torch.sigmoid(torch.exp(A_log.float()).reshape(H, 1)
+                                             * (fm.float() + dt_bias.float().reshape(H, D)))
+    assert _rel(g, want[3]) < (1e-5 if dt == torch.float32 else 1e-2)
+    assert float(g[3].abs().max()) == 0 and float(g[1, 20:].abs().max()) == 0 and float(beta[3].abs().max()) == 0
+    if dt == torch.float32:
+        assert torch.equal(cs_dev.cpu(), cs_ref)
+    else:
+        assert _rel(cs_dev.cpu(), cs_ref) <= 2 ** -8
+    assert torch.equal(cs_dev.cpu()[3], cs[3])  # the padding row's window did not move
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or ktk.triton is None, reason="needs CUDA and triton")
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_kda_kernel_on_the_gpu_takes_the_fused_prefill(monkeypatch, dt):
+    """kimi.KDA's cuda kernel at T > 1 on CUDA tensors (the fused path) equals the same kernel on the torch form."""
+    pytest.importorskip("fla", reason="the fused prefill runs fla-core's chunk_kda")
+    gen = torch.Generator().manual_seed(7 + (dt == torch.bfloat16))
+    T = 150
+    x = _to(_layer(4, T, 4, 128, 256, dt, gen, [T, 77, 2, 0]), "cuda")
+    calls = []
+    real = kcuda.prefill_fused
+    monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_: calls.append(1) or real(x_, a_))
+    fused_x = [t.clone() for t in x]
+    got = kcuda.kda(fused_x, ATTRS)
+    assert calls and got is not None, "the fused prefill was not taken"
+    assert got[1] is fused_x[1] and got[2] is fused_x[2]  # in place, as the op's contract says
+    monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_: None)
+    torch_x = [t.clone() for t in x]
+    want = kcuda.kda(torch_x, ATTRS)
+    f32 = dt == torch.float32
+    assert _rel(got[0].float(), want[0].float()) < (1e-3 if f32 else 2e-2)
+    assert _rel(got[2], want[2]) < (1e-3 if f32 else 1e-2)
+    assert _rel(got[1].float(), want[1].float()) <= (0 if f32 else 2 ** -8)
+    assert torch.equal(got[2][3], x[2][3]) and torch.equal(got[1][3], x[1][3])  # the padding row
+
+
+def test_prefill_prepare_refusals_name_the_field():
+    P3, H, T = 3 * 4 * 32, 4, 5
+    u = torch.zeros(2, T, P3)
+    ok = {"conv_state": torch.zeros(2, 3, P3), "conv_w": torch.zeros(P3, 4), "f": torch.zeros(2, T, P3 // 3),
+          "b": torch.zeros(2, T, H), "lengths": torch.ones(2, dtype=torch.int64)}
+    why = ktk.prefill_prepare_unsupported(u, **ok)
+    if ktk.triton is None:
+        assert why == "triton is not installed"
+        return
+    if not INTERPRET:
+        assert "CUDA tensor" in why
+        return
+    assert why is None
+    assert "kernel size 4" in ktk.prefill_prepare_unsupported(u, **{**ok, "conv_w": torch.zeros(P3, 3)})
+    assert "conv_state" in ktk.prefill_prepare_unsupported(u, **{**ok, "conv_state": torch.zeros(2, 2, P3)})
+    assert "lengths" in ktk.prefill_prepare_unsupported(u, **{**ok, "lengths": torch.ones(2)})
+    assert "f must be" in ktk.prefill_prepare_unsupported(u, **{**ok, "f": torch.zeros(2, T + 1, P3 // 3)})
+    assert "power of two" in ktk.prefill_prepare_unsupported(torch.zeros(2, T, 3 * 4 * 24), **{
+        **ok, "conv_state": torch.zeros(2, 3, 3 * 4 * 24), "conv_w": torch.zeros(3 * 4 * 24, 4),
+        "f": torch.zeros(2, T, 4 * 24)})
+    with pytest.raises(ValueError, match="kernel size 4"):
+        ktk.kda_prefill_prepare(u, ok["conv_state"], torch.zeros(P3, 3), ok["f"], ok["b"], ok["lengths"], scale=1.0,
+                                l2_eps=1e-6)
