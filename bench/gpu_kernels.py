@@ -560,7 +560,7 @@ def kda_prefill_section(args):
         lengths = torch.full((1,), T, device=DEV, dtype=torch.int64)
         state = torch.zeros(1, H, D, D, device=DEV)
         pre = {"scale": D ** -0.5, "l2_eps": 1e-6}
-        q, k, v, fm, beta = ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre)
+        q, k, v, fm, beta = ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre)  # no padding: f untouched
         g = -5.0 * torch.sigmoid(A_log.exp().view(H, 1) * (fm.float() + dt_bias.view(H, D)))  # core-only row's gate
         del fm
 
@@ -592,7 +592,7 @@ def kda_prefill_section(args):
         record("kda_prefill", case, "ours: fused pre (carried window, lengths) + fla chunk_kda (in-kernel gate) + fused post", shape,
                core_bytes + io_bytes, flops, ours, graph=False, reps=rp, check=chk)
         _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T)
-        record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 8 + T * H * 6, 0,
+        record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 6 + T * H * 6, 0,
                lambda: ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre), graph=False, reps=rp)
         if H == 12:
             try:

@@ -9,7 +9,7 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda ba
   (sequence, head) pairs, 64 from there (at most V).
 - `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (B, T / 32, H): conv over [carried window
   | u] (the window advanced in place by the first tile's program) + SiLU for q/k/v, L2 norm of q/k (q scaled), beta
-  sigmoid, the gate input f set to -inf on padding rows (the gate itself is computed in fla's chunk_kda).
+  sigmoid, the gate input f set to -inf in place on padding rows (the gate itself is computed in fla's chunk_kda).
 - `kda_decode_prepare`: one decode token's delta-rule inputs in one launch: conv over the carried window (advanced in
   place) + SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate and beta sigmoid, zeroed on padding rows.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
@@ -89,7 +89,7 @@ if triton is not None:
         return tl.where(fromw[:, None], w.to(x.dtype), x)
 
     @triton.jit
-    def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OF, OB, T, su_b, su_t, scs_b, scs_t, sf_b, sf_t,
+    def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OB, T, su_b, su_t, scs_b, scs_t, sf_b, sf_t,
                                 sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
         bid = tl.program_id(0).to(tl.int64)
         it = tl.program_id(1)
@@ -117,10 +117,12 @@ if triton is not None:
         tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=tm[:, None])
         v = _conv_tile(U, CS, CW, bid, t, 2 * P + c, tm, su_b, su_t, scs_b, scs_t)
         tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=tm[:, None])
-        # the gate's input, -inf on padding rows: fla's in-kernel safe gate lower_bound * sigmoid(exp(A_log) * (f +
-        # dt_bias)) is then exactly 0 there, so the state does not decay
-        f = tl.load(FP + bid * sf_b + t[:, None] * sf_t + c[None, :], mask=tm[:, None], other=0.0)
-        tl.store(OF + orow, tl.where(valid[:, None], f, float("-inf")).to(OF.dtype.element_ty), mask=tm[:, None])
+        # the gate's input set to -inf on padding rows, in place (valid rows are not touched, so a call without
+        # padding moves no f bytes): fla's in-kernel safe gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) is
+        # then exactly 0 there, so the state does not decay
+        pad = tm & ~valid
+        tl.store(FP + bid * sf_b + t[:, None] * sf_t + c[None, :],
+                 tl.full([BT, D], float("-inf"), FP.dtype.element_ty), mask=pad[:, None])
         braw = tl.load(BP + bid * sb_b + t * sb_t + h, mask=tm, other=0.0).to(tl.float32)
         tl.store(OB + (bid * T + t) * H + h, tl.sigmoid(braw) * valid.to(tl.float32), mask=tm)
         tl.debug_barrier()
@@ -342,8 +344,9 @@ def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l
     weights conv_w [3P, 4], the gate's input f [B, T, P], the beta projection b [B, T, H], lengths [B] (valid tokens
     per row, <= T). The conv and its SiLU run in u's dtype, as the torch form's do.
     Returns q, k, v [B, T, H, D] in u's dtype (q and k L2-normalised with l2_eps inside the root, q times scale),
-    f [B, T, H, D] in f's dtype with -inf on padding rows (t >= lengths[b]: fla's in-kernel safe gate is then 0),
-    beta [B, T, H] fp32 (sigmoid, 0 on padding rows). New tensors, except the window."""
+    f viewed [B, T, H, D], its padding rows (t >= lengths[b]) set to -inf IN PLACE (fla's in-kernel safe gate is then
+    0 there; valid rows are not written), beta [B, T, H] fp32 (sigmoid, 0 on padding rows). q, k, v and beta are new
+    tensors."""
     why = prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths)
     if why is not None:
         raise ValueError(why)
@@ -353,14 +356,13 @@ def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l
     dev = u.device
     oq = torch.empty(B, T, H, D, dtype=u.dtype, device=dev)
     ok, ov = torch.empty_like(oq), torch.empty_like(oq)
-    of = torch.empty(B, T, H, D, dtype=f.dtype, device=dev)
     ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
     bt = 32
     _kda_prefill_pre_kernel[(B, triton.cdiv(T, bt), H)](
-        u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, of, ob, T,
+        u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, ob, T,
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), f.stride(0), f.stride(1), b.stride(0),
         b.stride(1), scale, l2_eps, H=H, D=D, BT=bt, num_warps=4)
-    return oq, ok, ov, of, ob
+    return oq, ok, ov, f.view(B, T, H, D), ob
 
 
 def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfloat16):

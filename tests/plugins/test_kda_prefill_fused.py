@@ -7,7 +7,8 @@ the old one) and a padding row (lengths 0: its window and state must not move); 
 
 Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise; the
 whole-layer test needs fla-core's chunk_kda, so a CUDA GPU. Tolerances: float32 q, k, v, beta and the gate made from
-the masked f within 1e-5 relative (norm), the masked f and the new window equal exactly; bfloat16 q and k within 1e-2
+the masked f within 1e-5 relative (norm), f (masked in place: -inf on padding rows, the rest untouched) and the new
+window equal exactly; bfloat16 q and k within 1e-2
 (the kernel hands chunk_kda q and k in u's dtype, the torch form keeps them in float32 until then), v and the window
 within one bf16 ulp (the interpreter truncates casts to bf16, the GPU rounds). The layer: output and state within 1e-3
 (float32) and 2e-2 / 1e-2 (bfloat16) of the torch form on the same GPU. The refusal test runs everywhere.
@@ -65,9 +66,11 @@ def test_prefill_prepare_matches_the_torch_form(dt, D):
     u = h @ torch.cat([w_q, w_k, w_v], 1)
     f, b = (h @ w_f_a) @ w_f_b, h @ w_b
     cw = torch.cat([c_q, c_k, c_v], 0).reshape(-1, 4)
-    cs_dev = cs.clone().to(DEV)
-    q, k, v, fm, beta = (t.cpu() for t in ktk.kda_prefill_prepare(
-        *_to([u], DEV), cs_dev, *_to([cw, f, b, lengths], DEV), scale=ATTRS["scale"], l2_eps=ATTRS["l2_eps"]))
+    cs_dev, f_dev = cs.clone().to(DEV), f.clone().to(DEV)
+    got = ktk.kda_prefill_prepare(*_to([u], DEV), cs_dev, *_to([cw], DEV), f_dev, *_to([b, lengths], DEV),
+                                  scale=ATTRS["scale"], l2_eps=ATTRS["l2_eps"])
+    assert got[3].data_ptr() == f_dev.data_ptr()  # f masked in place
+    q, k, v, fm, beta = (t.cpu() for t in got)
     assert q.dtype == k.dtype == v.dtype == dt and fm.dtype == dt and beta.dtype == torch.float32
     for name, g_, w_ in (("q", q, want[0]), ("k", k, want[1]), ("v", v, want[2]), ("beta", beta, want[4])):
         tol = 1e-5 if dt == torch.float32 else (2 ** -7 if name in ("v", "beta") else 1e-2)
