@@ -33,11 +33,12 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
 1. score (grid rows x programs, one cache page per step): per page, codes -> fp16 pre-scaled by 2^(e_g - e_max) (e_g
    the E8M0 exponent of each 32-dim group of a key, e_max the key's largest: exact above fp16's range floor), four fp16
    tensor-core dots [BS, 32] x [32, H] against q (scaled by a power of two into fp16 range: exact for bf16 q), ReLU,
-   head weights, head sum, times 2^(e_max - 127). Writes fp32 scores [R, cap] and the max of every group of G
-   positions (G ~ cap / (2 topk), a power of two in [16, BS]) into a workspace.
-2. `_cand_kernel` (grid rows x slices): T = the top 16 key bits of the k-th largest group max (bisection over the
-   group maxima; k = min(topk, L)): at least k scores are >= T, so every top-k score is a candidate; each program
-   appends its slice's candidates (atomic slot counter per row; typically 1.2-1.5 k of them).
+   head weights, head sum, times 2^(e_max - 127). Writes fp32 scores [R, cap] and the max of every group of
+   GROUP = 4 positions into a workspace.
+2. `_cand_kernel` (grid rows x slices): the row's group maxima merged F at a time into at most NGB (~2 topk) groups,
+   F chosen from the row's own length L; T = the top 16 key bits of the k-th largest of them (bisection in
+   registers; k = min(topk, L)): at least k scores are >= T, so every top-k score is a candidate; each program
+   appends its slice's candidates (atomic slot counter per row; typically 1.2-1.5 k of them where L >= 4 k).
 3. `_final_kernel` (one program per row): exact selection among the candidates: bisection for the k-th key (stops
    once exactly k keys are >= mid; all candidates taken when there are at most k), ties to the lower position (a
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
@@ -77,6 +78,7 @@ HEAD_DIM = 128
 SCORE_WARPS = 4  # the Triton score kernel
 SCORE_STAGES = 3  # its software pipeline depth (tl.range): next page's loads in flight while this one computes
 PROGS_PER_SM = 4  # score programs per SM over all rows
+GROUP = 4  # positions per group maximum (stage 1 writes them, stage 2 merges them by the row's length)
 CAND_WARPS, CAND_PROGS_PER_SM, FINAL_WARPS = 4, 2, 8  # the two select kernels
 RANK_CHK, RANK_STAGES = 128, 3  # the rank kernel: keys per step (CHK // W per warp), its pipeline depth (tl.range)
 RANK_PROGS_PER_SM = 2  # from this many programs per SM: 128 slots and 2 warps per rank program, else 64 and 4
@@ -280,25 +282,14 @@ if triton is not None:
             tl.store(OUT_S + off, x, mask=m)
 
     @triton.jit
-    def _gm_count(GM, gbase, ng, gk, thr, NGB: tl.constexpr):
-        # number of the row's ng group maxima with key >= thr (gk: the first NGB of them, in registers)
-        if ng <= NGB:
-            c = tl.sum((gk >= thr).to(tl.int32), 0)
-        else:
-            c = ng * 0
-            for i in range(0, ng, NGB):
-                a = i + tl.arange(0, NGB)
-                mm = a < ng
-                kk = tl.where(mm, _key(tl.load(GM + gbase + a, mask=mm, other=0.0)), -2147483648)
-                c += tl.sum((kk >= thr).to(tl.int32), 0)
-        return c
-
-    @triton.jit
     def _cand_kernel(SC, GM, CS, CP, CNT, ROW_LEN, cap, ngcap, chunk, topk, G: tl.constexpr, NGB: tl.constexpr,
                      BLK: tl.constexpr):
         # Threshold T = (top 16 bits of) the keff-th largest group max: at least keff scores are >= T, so every
-        # top-keff score is a candidate. Each program recomputes T (same data, same result) and appends the
-        # candidates of its slice of the row (atomic slot counter per row).
+        # top-keff score is a candidate. The score kernels write the max of every G positions; the row's ng of them
+        # are merged F at a time (F the least power of two leaving at most NGB, about 2 topk: groups of G * F
+        # positions, chosen by the row's own length, so a short row in a long cache still gets about 2 keff groups)
+        # and held in registers for the bisection. Each program recomputes T (same data, same result) and appends
+        # the candidates of its slice of the row (atomic slot counter per row).
         r = tl.program_id(0)
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
@@ -310,16 +301,22 @@ if triton is not None:
         valid = pos < p1
         x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
         ng = tl.cdiv(L, G)
+        F = ng * 0 + 1
+        while F * NGB < ng:
+            F = F * 2
+        ngc = tl.cdiv(ng, F)
         gbase = r.to(tl.int64) * ngcap
         ga = tl.arange(0, NGB)
-        gm_in = ga < ng
-        gk = tl.where(gm_in, _key(tl.load(GM + gbase + ga, mask=gm_in, other=0.0)), -2147483648)
+        gk = tl.full([NGB], -2147483648, tl.int32)
+        for f in range(0, F):
+            a = ga * F + f
+            m = (ga < ngc) & (a < ng)
+            gk = tl.maximum(gk, tl.where(m, _key(tl.load(GM + gbase + a, mask=m, other=0.0)), -2147483648))
         lo = L * 0 - 32768
-        hi = tl.where(ng >= keff, 32767, -32768)
+        hi = tl.where(ngc >= keff, 32767, -32768)
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
-            c = _gm_count(GM, gbase, ng, gk, mid << 16, NGB)
-            ok = c >= keff
+            ok = tl.sum((gk >= (mid << 16)).to(tl.int32), 0) >= keff
             lo = tl.where(ok, mid, lo)
             hi = tl.where(ok, hi, mid - 1)
         T = lo << 16
@@ -536,9 +533,8 @@ def supports(q, w, codes, scales, block_table, start, lengths, topk: int, strate
 
 
 def _group_size(cap: int, topk: int, bs: int) -> int:
-    """Positions per group for the threshold: about 2*topk groups per row (>= topk needed for a bound)."""
-    g = max(16, triton.next_power_of_2(triton.cdiv(cap, 2 * max(topk, 1))))
-    return min(g, bs)
+    """Positions per group maximum written by the score kernels: GROUP (the candidate kernel merges them per row)."""
+    return min(GROUP, bs)
 
 
 def _workspace(dev, R: int, cap: int, ngcap: int):
@@ -587,19 +583,27 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     return ws, G, ngcap, nsm
 
 
-def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int, pad_score: float):
-    """Stages 2 and 3: `_cand_kernel` (threshold from the group maxima + candidate compaction), then `_final_kernel`
-    (exact selection among the candidates, in no particular order; slots past min(L, topk): -1 and pad_score).
-    out_s None: out_i is a float64 [R, width] key workspace (width >= topk) and takes each selected slot's `_dkey`
-    order key, -inf past the selection."""
+def _candidates(ws, row_len, cap: int, ngcap: int, topk: int, G: int, nsm: int) -> None:
+    """Stage 2: `_cand_kernel` appends each row's candidates to the workspace (ws[2], ws[3]) and counts them in
+    ws[4] (which stage 3 reads and resets)."""
     sc, gm, cs, cp, cnt = ws
     R = row_len.shape[0]
     blk = 2048
     s2 = max(1, min(triton.cdiv(cap, blk), (CAND_PROGS_PER_SM * nsm) // max(R, 1)))
     chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
-    ngb = min(triton.next_power_of_2(max(ngcap, 16)), 4096)
+    ngb = min(triton.next_power_of_2(max(ngcap, 16)), max(4096, triton.next_power_of_2(2 * topk)))
     _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
                                                 NGB=ngb, BLK=blk, num_warps=CAND_WARPS)
+
+
+def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int, pad_score: float):
+    """Stages 2 and 3: `_cand_kernel` (threshold from the group maxima + candidate compaction), then `_final_kernel`
+    (exact selection among the candidates, in no particular order; slots past min(L, topk): -1 and pad_score).
+    out_s None: out_i is a float64 [R, width] key workspace (width >= topk) and takes each selected slot's `_dkey`
+    order key, -inf past the selection."""
+    _candidates(ws, row_len, cap, ngcap, topk, G, nsm)
+    cs, cp, cnt = ws[2:]
+    R = row_len.shape[0]
     keys = out_s is None
     width = out_i.shape[1]
     _final_kernel[(R,)](cs, cp, cnt, row_len, out_i, out_i if keys else out_s, cap, topk, width, pad_score, CH=4096,
