@@ -4,8 +4,9 @@ Stage 1 of plugins/indexer_topk/triton.py (same inputs, same workspace, same num
 the candidate and final select kernels are shared). Applies where `applies()` says so: Gluon importable, Hopper or
 newer (TMA, wgmma), 64-key cache pages, 64 index heads, head dim 128, a 16-byte-aligned code pool.
 
-Grid (rows, programs per row); program (r, s) scores pages [s * ppp, s * ppp + ppp) of row r's sequence, clipped to
-the row's length L = ROW_LEN[r] (read on the device). Per page:
+Grid (rows, programs per row); program (r, s) scores pages [s * ppr, s * ppr + ppr) of row r's sequence, clipped to
+the row's length L = ROW_LEN[r] (read on the device), ppr = the row's pages over the row's programs (at most ppp, which
+the host sizes from the capacity). Per page:
 - one TMA brings the page's codes ([64, 128] E4M3, the physical block from the block table) and a second one its
   E8M0 scale words ([1, 64] int32, four bytes per key) into a ring slot, both on the slot's mbarrier; a ring of
   `RING` = 2 slots keeps the next page in flight while this one computes;
@@ -120,8 +121,12 @@ if gluon is not None:
         s = gl.program_id(1)
         L = gl.load(ROW_LEN + r)
         seq = gl.load(ROW_SEQ + r).to(gl.int64)
-        p0 = s * ppp
-        n = gl.minimum(ppp, (L + BS - 1) // BS - p0)  # pages of this program (may be <= 0)
+        # the row's own pages split evenly over the row's programs (a short row in a long cache keeps every program
+        # busy); ppp, sized from the capacity, bounds it
+        npr = gl.num_programs(1)
+        ppr = gl.minimum(ppp, ((L + BS - 1) // BS + npr - 1) // npr)
+        p0 = s * ppr
+        n = gl.minimum(ppr, (L + BS - 1) // BS - p0)  # pages of this program (may be <= 0)
         bt_row = seq * stride_bt + p0
 
         # q^T group tiles -> fp16 in shared memory (B operands), scaled by a power of two into fp16 range, columns

@@ -122,8 +122,8 @@ if triton is not None:
     def _score_kernel(Q, W, KC, KD, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, ppp,
                       BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr,
                       PPB: tl.constexpr):
-        # Grid (rows, programs per row); program (r, s) scores pages [s * ppp, s * ppp + ppp) of row r, clipped to
-        # its length L. One step = one cache page (BS keys): the page's four 32-column code groups arrive by TMA
+        # Grid (rows, programs per row); program (r, s) scores pages [s * ppr, s * ppr + ppr) of row r, clipped to
+        # its length L, ppr = the row's pages over the row's programs (at most ppp). One step = one cache page (BS keys): the page's four 32-column code groups arrive by TMA
         # (KD, a [rows, 128] fp8 descriptor with a [BS, 32] box) or by plain loads (KC), software-pipelined NS deep
         # by tl.range; the four E8M0 scales load as one int32 per row (KS). PPB > 0: the program's block-table
         # entries load once, then are picked per page from registers. Writes scores for positions < L and the max
@@ -136,8 +136,11 @@ if triton is not None:
         d = tl.arange(0, 32)
         n = tl.arange(0, BS)
         q0, q1, q2, q3, wv = _q_fp16(Q, W, r, h, d, H)
-        p0 = s * ppp
-        p1 = tl.minimum(p0 + ppp, tl.cdiv(L, BS))
+        # the row's own pages split evenly over the row's programs (a short row in a long cache keeps every program
+        # busy); ppp, sized from the capacity, bounds it (and the block-table prefetch width PPB)
+        ppr = tl.minimum(ppp, tl.cdiv(tl.cdiv(L, BS), tl.num_programs(1)))
+        p0 = s * ppr
+        p1 = tl.minimum(p0 + ppr, tl.cdiv(L, BS))
         obase = r.to(tl.int64) * cap
         if PPB > 0:
             pa = tl.arange(0, PPB)
@@ -294,8 +297,11 @@ if triton is not None:
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
         keff = tl.minimum(L, topk)
-        p0 = s * chunk
-        p1 = tl.minimum(p0 + chunk, L)
+        # the row's own positions split evenly over the row's programs, in whole blocks (at most `chunk`, sized from
+        # the capacity)
+        rch = tl.minimum(chunk, tl.cdiv(tl.cdiv(L, tl.num_programs(1)), BLK) * BLK)
+        p0 = s * rch
+        p1 = tl.minimum(p0 + rch, L)
         cbase = r.to(tl.int64) * cap
         pos = p0 + tl.arange(0, BLK)  # the slice's first block is loaded before the search: its latency overlaps
         valid = pos < p1

@@ -300,7 +300,7 @@ def test_indexer_topk_rows(bs, strategy):
 @pytest.mark.parametrize("lens,topk", [([70000, 65536], 2048), ([131072], 2048), ([3000, 200, 9000], 512),
                                        ([40000, 9000], 8192), ([300000], 256)])
 def test_indexer_topk_rows_long(lens, topk, strategy):
-    """Threshold selects on long rows (register and memory paths: > 4096 candidates, > 4096 group maxima),
+    """Threshold selects on long rows (register and memory paths: > 4096 candidates; > 4096 group maxima, merged),
     random (non-zero) cache."""
     gen = torch.Generator().manual_seed(11)
     bs = 64
