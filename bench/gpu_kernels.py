@@ -207,9 +207,13 @@ def _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, 
 
 def indexer_section(args):
     H, D, topk, bs = 64, 128, 2048, 64
-    for B, L in ((32, 65536), (1, 131072)):
-        case = f"B={B},L={L}"
+    # the last two: a served model's cache is sized to its max_seq_len, not to the context (the small preset's
+    # 139264 tokens), and the kernels' work split and threshold groups must follow each row's length
+    for B, L, cap in ((32, 65536, 65536), (1, 131072, 131072), (32, 32768, 139264), (1, 32768, 139264)):
+        case = f"B={B},L={L}" + (f",cap={cap}" if cap != L else "")
         bt, nb = _paged_random(B, L, bs)
+        if cap > L:  # block-table columns past the context point at block 0 (never read)
+            bt = torch.cat([bt, torch.zeros(B, (cap - L) // bs, dtype=bt.dtype, device=bt.device)], 1)
         codes = torch.empty(nb, bs, D, dtype=torch.uint8, device=DEV)
         scales = torch.empty(nb, bs, D // 32, dtype=torch.uint8, device=DEV)
         for i in range(0, nb * bs, 1 << 20):  # fill through our quantize kernel (random LayerNorm-like keys)
@@ -222,7 +226,7 @@ def indexer_section(args):
         cl[0] = L - 777 if B > 1 else L
         rows = torch.arange(B, dtype=torch.int32, device=DEV)
         start, ones = (cl - 1).long(), torch.ones(B, dtype=torch.int64, device=DEV)  # the op's contract, T = 1
-        shape = {"B": B, "L": L, "H_I": H, "D_I": D, "topk": topk, "block_size": bs, "bytes_per_token": 132}
+        shape = {"B": B, "L": L, "cap": cap, "H_I": H, "D_I": D, "topk": topk, "block_size": bs, "bytes_per_token": 132}
         bytes_ = int(cl.sum()) * 132 + q.numel() * 2 + w.numel() * 4 + B * topk * 8
         flops = 2 * int(cl.sum()) * H * D
         # fp32 reference scores for the check
@@ -256,7 +260,8 @@ def indexer_section(args):
             record("indexer", case, f"ours {strat} score kernel only", shape, bytes_, flops,
                    lambda s=strat: itk.indexer_scores(q, w, codes, scales, bt, rows, cl, topk, strategy=s),
                    reps=args.reps, note="stage timing: scores + group maxima, no selection")
-        _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, lens, args)
+        if cap == L:
+            _deepgemm_rows(case, shape, q, w, codes, scales, bt, cl, L, topk, full_cpu, lens, args)
         try:
             ci, cs = itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk)
             torch.cuda.synchronize()
