@@ -12,6 +12,7 @@ contract says; the conv window and the state are written in place (outputs 1 and
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,46 @@ def kda(x, a):
     return out, conv_state, state
 
 
+class _Layer(NamedTuple):
+    """kimi.KDA's inputs, in the op's order."""
+    h: torch.Tensor
+    conv_state: torch.Tensor
+    state: torch.Tensor
+    lengths: torch.Tensor
+    w_q: torch.Tensor
+    w_k: torch.Tensor
+    w_v: torch.Tensor
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    w_f_a: torch.Tensor
+    w_f_b: torch.Tensor
+    w_b: torch.Tensor
+    w_g: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    o_norm: torch.Tensor
+    w_o: torch.Tensor
+
+
+def _fused_inputs(x: _Layer):
+    """What both fused paths start from: the stacked conv weights [3P, 4] and, as empty tensors, the shapes the
+    projections u [B, T, 3P], f [B, T, P] and b [B, T, H] will have (so a path is declined before any of them runs)."""
+    B, T, _ = x.h.shape
+    P = x.w_q.shape[1]
+    cw = _cat_once([x.conv_q, x.conv_k, x.conv_v], 0)
+    cw = cw.reshape(cw.shape[0], cw.shape[-1])
+    new = x.h.new_empty
+    return cw, (new(B, T, 3 * P), x.conv_state, cw, new(B, T, P), new(B, T, x.A_log.numel()), x.lengths)
+
+
+def _projections(x: _Layer):
+    """u = h @ [w_q | w_k | w_v], f = (h @ w_f_a) @ w_f_b and b = h @ w_b, in h's dtype (cuBLAS)."""
+    h, dt = x.h, x.h.dtype
+    return (h @ _cat_once([x.w_q, x.w_k, x.w_v], 1).to(dt), (h @ x.w_f_a.to(dt)) @ x.w_f_b.to(dt),
+            h @ x.w_b.to(dt))
+
+
 def decode_fused(x, a):
     """One decode token of the layer in nine launches: the six projections (cuBLAS), the Triton pre-kernel (conv
     over the carried window, SiLU, L2 norms, safe gate, beta, padding rows masked; plugins/kda/triton.py
@@ -80,25 +121,20 @@ def decode_fused(x, a):
     not apply (`decode_prepare_unsupported`). Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1."""
     from kimi_compile.plugins.kda import triton as ktk
 
-    (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
-     o_norm, w_o) = x
-    B, T, _ = h.shape
-    H, D = A_log.numel(), o_norm.numel()
-    dt = h.dtype
-    P = w_q.shape[1]
-    cw = _cat_once([conv_q, conv_k, conv_v], 0)
-    cw = cw.reshape(cw.shape[0], cw.shape[-1])
-    if ktk.decode_prepare_unsupported(h.new_empty(B, 1, 3 * P), conv_state, cw, h.new_empty(B, 1, P),
-                                      h.new_empty(B, 1, H), lengths, A_log, dt_bias) is not None:
-        return None  # decided on the shapes the projections will have, before any of them runs
-    u = h @ _cat_once([w_q, w_k, w_v], 1).to(dt)
-    f = (h @ w_f_a.to(dt)) @ w_f_b.to(dt)
-    b = h @ w_b.to(dt)
-    q, k, v, g, beta = ktk.kda_decode_prepare(u, conv_state, cw, f, b, lengths, A_log, dt_bias, scale=a["scale"],
-                                              l2_eps=a["l2_eps"], lower_bound=a["lower_bound"])
-    o = ktk.kda_decode_step(q, k, v, g, beta, state, out=torch.empty(B, H, D, dtype=torch.float32, device=h.device))
-    y = ktk.kda_output_norm_gate(o.view(B, T, H, D), h @ w_g.to(dt), o_norm, a["eps"], out_dtype=dt)
-    return y @ w_o.to(dt), conv_state, state
+    x = _Layer(*x)
+    B, T, _ = x.h.shape
+    H, D = x.A_log.numel(), x.o_norm.numel()
+    dt = x.h.dtype
+    cw, shapes = _fused_inputs(x)
+    if ktk.decode_prepare_unsupported(*shapes, x.A_log, x.dt_bias) is not None:
+        return None
+    u, f, b = _projections(x)
+    q, k, v, g, beta = ktk.kda_decode_prepare(u, x.conv_state, cw, f, b, x.lengths, x.A_log, x.dt_bias,
+                                              scale=a["scale"], l2_eps=a["l2_eps"], lower_bound=a["lower_bound"])
+    o = ktk.kda_decode_step(q, k, v, g, beta, x.state, out=torch.empty(B, H, D, dtype=torch.float32,
+                                                                         device=x.h.device))
+    y = ktk.kda_output_norm_gate(o.view(B, T, H, D), x.h @ x.w_g.to(dt), x.o_norm, a["eps"], out_dtype=dt)
+    return y @ x.w_o.to(dt), x.conv_state, x.state
 
 
 def prefill_fused(x, a):
@@ -106,28 +142,21 @@ def prefill_fused(x, a):
     over the carried window, SiLU, L2 norms, beta, the gate input masked on padding rows, the window advanced in
     place), fla-core's chunk_kda with its in-kernel safe gate (the state updated in place) and the output
     norm-and-gate kernel (plugins/kda/triton.py `kda_prefill`). Returns None (the caller takes the torch form) where
-    the pre-kernel does not apply (`prefill_prepare_unsupported`)."""
+    the pre-kernel does not apply (`prefill_prepare_unsupported`) or the state is not contiguous float32."""
     from kimi_compile.plugins.kda import triton as ktk
 
-    (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
-     o_norm, w_o) = x
-    B, T, _ = h.shape
-    H = A_log.numel()
-    dt = h.dtype
-    P = w_q.shape[1]
-    cw = _cat_once([conv_q, conv_k, conv_v], 0)
-    cw = cw.reshape(cw.shape[0], cw.shape[-1])
-    if ktk.prefill_prepare_unsupported(h.new_empty(B, T, 3 * P), conv_state, cw, h.new_empty(B, T, P),
-                                       h.new_empty(B, T, H), lengths) is not None:
-        return None  # decided on the shapes the projections will have, before any of them runs
-    if not (state.dtype == torch.float32 and state.is_contiguous()):
+    x = _Layer(*x)
+    dt = x.h.dtype
+    cw, shapes = _fused_inputs(x)
+    if ktk.prefill_prepare_unsupported(*shapes) is not None or not (x.state.dtype == torch.float32
+                                                                     and x.state.is_contiguous()):
         return None
-    u = h @ _cat_once([w_q, w_k, w_v], 1).to(dt)
-    f = (h @ w_f_a.to(dt)) @ w_f_b.to(dt)
-    y = ktk.kda_prefill(u, conv_state, cw, f, h @ w_b.to(dt), lengths, A_log.float(), dt_bias.float().reshape(H, -1),
-                        h @ w_g.to(dt), o_norm, state, scale=a["scale"], l2_eps=a["l2_eps"],
+    u, f, b = _projections(x)
+    H = x.A_log.numel()
+    y = ktk.kda_prefill(u, x.conv_state, cw, f, b, x.lengths, x.A_log.float(), x.dt_bias.float().reshape(H, -1),
+                        x.h @ x.w_g.to(dt), x.o_norm, x.state, scale=a["scale"], l2_eps=a["l2_eps"],
                         lower_bound=a["lower_bound"], eps=a["eps"])
-    return y @ w_o.to(dt), conv_state, state
+    return y @ x.w_o.to(dt), x.conv_state, x.state
 
 
 def prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, A_log, dt_bias, a):
