@@ -244,38 +244,44 @@ def kda_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     return out
 
 
-def decode_prepare_unsupported(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias) -> str | None:
-    """Why `kda_decode_prepare` does not take these inputs, naming the field; None when it does."""
+def _prepare_unsupported(fn: str, u, conv_state, conv_w, f, b, lengths, H: int) -> str | None:
+    """The checks both prepare kernels make (u [B, T, 3P], the window, kernel-4 conv weights, f, b, lengths, a
+    power-of-two head dim), naming `fn` and the field; None when they pass."""
     if triton is None:
         return "triton is not installed"
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if not (u.device.type == "cuda" or interp):
-        return f"kda_decode_prepare: u must be a CUDA tensor, got {u.device}"
-    if u.dim() != 3 or u.shape[1] != 1:
-        return f"kda_decode_prepare: u must be [B, 1, 3P] (one decode token), got {tuple(u.shape)}"
-    B, _, P3 = u.shape
-    H = A_log.numel()
+        return f"{fn}: u must be a CUDA tensor, got {u.device}"
+    if u.dim() != 3:
+        return f"{fn}: u must be [B, T, 3P], got {tuple(u.shape)}"
+    B, T, P3 = u.shape
     if P3 % 3 or (P3 // 3) % H:
-        return f"kda_decode_prepare: u's width {P3} is not 3 x heads ({H}) x head dim"
+        return f"{fn}: u's width {P3} is not 3 x heads ({H}) x head dim"
     D = P3 // 3 // H
     if D & (D - 1) or D < 16:
-        return f"kda_decode_prepare: the head dim must be a power of two >= 16, got {D}"
+        return f"{fn}: the head dim must be a power of two >= 16, got {D}"
     if conv_w.dim() != 2 or tuple(conv_w.shape) != (P3, 4):
-        return f"kda_decode_prepare: conv_w must be [{P3}, 4] (kernel size 4), got {tuple(conv_w.shape)}"
+        return f"{fn}: conv_w must be [{P3}, 4] (kernel size 4), got {tuple(conv_w.shape)}"
     if tuple(conv_state.shape) != (B, 3, P3) or conv_state.stride(-1) != 1:
-        return (f"kda_decode_prepare: conv_state must be [{B}, 3, {P3}] with unit last stride, got "
-                f"{tuple(conv_state.shape)}")
-    if tuple(f.shape) != (B, 1, P3 // 3) or tuple(b.shape) != (B, 1, H):
-        return f"kda_decode_prepare: f must be [{B}, 1, {P3 // 3}] and b [{B}, 1, {H}], got {tuple(f.shape)}, " \
-               f"{tuple(b.shape)}"
+        return f"{fn}: conv_state must be [{B}, 3, {P3}] with unit last stride, got {tuple(conv_state.shape)}"
+    if tuple(f.shape) != (B, T, P3 // 3) or tuple(b.shape) != (B, T, H):
+        return f"{fn}: f must be [{B}, {T}, {P3 // 3}] and b [{B}, {T}, {H}], got {tuple(f.shape)}, {tuple(b.shape)}"
     if lengths.numel() != B or lengths.dtype.is_floating_point:
-        return f"kda_decode_prepare: lengths must hold {B} integers, got {lengths.dtype} {tuple(lengths.shape)}"
-    if dt_bias.numel() != P3 // 3:
-        return f"kda_decode_prepare: dt_bias must hold {P3 // 3} values, got {dt_bias.numel()}"
+        return f"{fn}: lengths must hold {B} integers, got {lengths.dtype} {tuple(lengths.shape)}"
     for name, t in (("u", u), ("f", f), ("b", b)):
         if t.stride(-1) != 1:
-            return f"kda_decode_prepare: {name} must have unit last stride"
+            return f"{fn}: {name} must have unit last stride"
     return None
+
+
+def decode_prepare_unsupported(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias) -> str | None:
+    """Why `kda_decode_prepare` does not take these inputs, naming the field; None when it does."""
+    if u.dim() == 3 and u.shape[1] != 1:
+        return f"kda_decode_prepare: u must be [B, 1, 3P] (one decode token), got {tuple(u.shape)}"
+    why = _prepare_unsupported("kda_decode_prepare", u, conv_state, conv_w, f, b, lengths, A_log.numel())
+    if why is None and dt_bias.numel() != u.shape[-1] // 3:
+        why = f"kda_decode_prepare: dt_bias must hold {u.shape[-1] // 3} values, got {dt_bias.numel()}"
+    return why
 
 
 def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, scale: float, l2_eps: float,
@@ -307,34 +313,9 @@ def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, 
 
 def prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths) -> str | None:
     """Why `kda_prefill_prepare` does not take these inputs, naming the field; None when it does."""
-    if triton is None:
-        return "triton is not installed"
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if not (u.device.type == "cuda" or interp):
-        return f"kda_prefill_prepare: u must be a CUDA tensor, got {u.device}"
-    if u.dim() != 3 or b.dim() != 3:
-        return f"kda_prefill_prepare: u must be [B, T, 3P] and b [B, T, H], got {tuple(u.shape)}, {tuple(b.shape)}"
-    B, T, P3 = u.shape
-    H = b.shape[-1]
-    if P3 % 3 or (P3 // 3) % H:
-        return f"kda_prefill_prepare: u's width {P3} is not 3 x heads ({H}) x head dim"
-    D = P3 // 3 // H
-    if D & (D - 1) or D < 16:
-        return f"kda_prefill_prepare: the head dim must be a power of two >= 16, got {D}"
-    if conv_w.dim() != 2 or tuple(conv_w.shape) != (P3, 4):
-        return f"kda_prefill_prepare: conv_w must be [{P3}, 4] (kernel size 4), got {tuple(conv_w.shape)}"
-    if tuple(conv_state.shape) != (B, 3, P3) or conv_state.stride(-1) != 1:
-        return (f"kda_prefill_prepare: conv_state must be [{B}, 3, {P3}] with unit last stride, got "
-                f"{tuple(conv_state.shape)}")
-    if tuple(f.shape) != (B, T, P3 // 3) or tuple(b.shape) != (B, T, H):
-        return f"kda_prefill_prepare: f must be [{B}, {T}, {P3 // 3}] and b [{B}, {T}, {H}], got " \
-               f"{tuple(f.shape)}, {tuple(b.shape)}"
-    if lengths.numel() != B or lengths.dtype.is_floating_point:
-        return f"kda_prefill_prepare: lengths must hold {B} integers, got {lengths.dtype} {tuple(lengths.shape)}"
-    for name, t in (("u", u), ("f", f), ("b", b)):
-        if t.stride(-1) != 1:
-            return f"kda_prefill_prepare: {name} must have unit last stride"
-    return None
+    if b.dim() != 3:
+        return f"kda_prefill_prepare: b must be [B, T, H], got {tuple(b.shape)}"
+    return _prepare_unsupported("kda_prefill_prepare", u, conv_state, conv_w, f, b, lengths, b.shape[-1])
 
 
 def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l2_eps: float):

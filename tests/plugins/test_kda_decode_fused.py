@@ -28,13 +28,14 @@ kernels = pytest.mark.skipif(ktk.triton is None or not (INTERPRET or torch.cuda.
 ATTRS = {"scale": 0.17, "l2_eps": 0.3, "lower_bound": -5.0, "eps": 1e-5}  # an eps large enough to matter
 
 
-def _layer(B, H, D, hidden, dt, gen):
+def _layer(B, H, D, hidden, dt, gen, T=1, lengths=None):
+    """kimi.KDA's 18 inputs for B rows of T tokens (lengths: valid tokens per row; default [1, 0, 1][:B] at T = 1)."""
     P = H * D
     r = lambda *s, k=1.0: (torch.randn(*s, generator=gen) * k).to(dt)
-    h = r(B, 1, hidden)
+    h = r(B, T, hidden)
     conv_state = r(B, 3, 3 * P)
     state = torch.randn(B, H, D, D, generator=gen) * 0.3
-    lengths = torch.tensor([1, 0, 1][:B], dtype=torch.int64)
+    lengths = torch.tensor([1, 0, 1][:B] if lengths is None else lengths, dtype=torch.int64)
     ws = [r(hidden, P, k=hidden ** -0.5) for _ in range(3)]
     convs = [r(P, 1, 4, k=0.5) for _ in range(3)]
     lora = 8

@@ -16,41 +16,20 @@ within one bf16 ulp (the interpreter truncates casts to bf16, the GPU rounds). T
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from kimi_compile.plugins.kda import cuda as kcuda
 from kimi_compile.plugins.kda import triton as ktk
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEV = "cpu" if INTERPRET else "cuda"
-kernels = pytest.mark.skipif(ktk.triton is None or not (INTERPRET or torch.cuda.is_available()),
-                             reason="the Triton kernels need triton and a CUDA GPU (or TRITON_INTERPRET=1)")
-ATTRS = {"scale": 0.17, "l2_eps": 0.3, "lower_bound": -5.0, "eps": 1e-5}  # an eps large enough to matter
-
-
-def _layer(B, T, H, D, hidden, dt, gen, lengths):
-    P = H * D
-    r = lambda *s, k=1.0: (torch.randn(*s, generator=gen) * k).to(dt)
-    h = r(B, T, hidden)
-    conv_state = r(B, 3, 3 * P)
-    state = torch.randn(B, H, D, D, generator=gen) * 0.3
-    ws = [r(hidden, P, k=hidden ** -0.5) for _ in range(3)]
-    convs = [r(P, 1, 4, k=0.5) for _ in range(3)]
-    lora = 8
-    rest = [r(hidden, lora, k=hidden ** -0.5), r(lora, P, k=lora ** -0.5), r(hidden, H, k=hidden ** -0.5),
-            r(hidden, P, k=hidden ** -0.5), torch.randn(H, generator=gen) * 0.5, torch.randn(P, generator=gen) * 0.5,
-            1.0 + 0.1 * r(D), r(P, hidden, k=P ** -0.5)]
-    return [h, conv_state, state, torch.tensor(lengths, dtype=torch.int64), *ws, *convs, *rest]
-
-
-def _rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def _to(x, dev):
-    return [t.to(dev) for t in x]
+from tests.plugins.test_kda_decode_fused import (
+    ATTRS,
+    DEV,
+    INTERPRET,
+    _layer,
+    _rel,
+    _to,
+    kernels,
+)
 
 
 @kernels
@@ -59,7 +38,7 @@ def _to(x, dev):
 def test_prefill_prepare_matches_the_torch_form(dt, D):
     gen = torch.Generator().manual_seed(D * 5 + (dt == torch.bfloat16))
     B, T, H = 4, 45, 4
-    x = _layer(B, T, H, D, 48, dt, gen, [T, 20, 2, 0])
+    x = _layer(B, H, D, 48, dt, gen, T, [T, 20, 2, 0])
     (h, cs, _, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, _, A_log, dt_bias, _, _) = x
     cs_ref = cs.clone()
     want = kcuda.prepare(h, cs_ref, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, A_log, dt_bias, ATTRS)
@@ -96,7 +75,7 @@ def test_kda_kernel_on_the_gpu_takes_the_fused_prefill(monkeypatch, dt):
     pytest.importorskip("fla", reason="the fused prefill runs fla-core's chunk_kda")
     gen = torch.Generator().manual_seed(7 + (dt == torch.bfloat16))
     T = 150
-    x = _to(_layer(4, T, 4, 128, 256, dt, gen, [T, 77, 2, 0]), "cuda")
+    x = _to(_layer(4, 4, 128, 256, dt, gen, T, [T, 77, 2, 0]), "cuda")
     calls = []
     real = kcuda.prefill_fused
     monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_: calls.append(1) or real(x_, a_))
