@@ -123,7 +123,8 @@ if triton is not None:
                       BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr,
                       PPB: tl.constexpr):
         # Grid (rows, programs per row); program (r, s) scores pages [s * ppr, s * ppr + ppr) of row r, clipped to
-        # its length L, ppr = the row's pages over the row's programs (at most ppp). One step = one cache page (BS keys): the page's four 32-column code groups arrive by TMA
+        # its length L, ppr = the row's pages over the row's programs (at most ppp). One step = one cache page (BS
+        # keys): the page's four 32-column code groups arrive by TMA
         # (KD, a [rows, 128] fp8 descriptor with a [BS, 32] box) or by plain loads (KC), software-pipelined NS deep
         # by tl.range; the four E8M0 scales load as one int32 per row (KS). PPB > 0: the program's block-table
         # entries load once, then are picked per page from registers. Writes scores for positions < L and the max
@@ -538,7 +539,7 @@ def supports(q, w, codes, scales, block_table, start, lengths, topk: int, strate
     return unsupported(q, w, codes, scales, block_table, start, lengths, topk, strategy) is None
 
 
-def _group_size(cap: int, topk: int, bs: int) -> int:
+def _group_size(bs: int) -> int:
     """Positions per group maximum written by the score kernels: GROUP (the candidate kernel merges them per row)."""
     return min(GROUP, bs)
 
@@ -562,7 +563,7 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     codes = codes.view(torch.uint8)  # float8_e4m3fn pools: the same bytes
     bs = codes.shape[1]
     cap = block_table.shape[1] * bs
-    G = _group_size(cap, topk, bs)
+    G = _group_size(bs)
     npages = triton.cdiv(cap, bs)
     ngcap = npages * (bs // G)
     ws = _workspace(q.device, R, cap, ngcap)

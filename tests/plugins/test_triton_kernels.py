@@ -387,7 +387,7 @@ def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
     sc = (torch.randn(R, cap, generator=gen) * 4).round() / 4  # many exact ties
     sc[:, ::7] = 0.0
     sc[:, 3::11] = -0.0
-    G = itk._group_size(cap, topk, 64)
+    G = itk._group_size(64)
     L = torch.tensor(lens, dtype=torch.int32)
     gm = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf")).view(R, cap // G, G).amax(-1)
     ws = tuple(t.to(dev) for t in (sc, gm.contiguous(), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
@@ -423,7 +423,7 @@ def test_indexer_candidates_follow_the_rows_length():
     lens, topk, cap = [30000, 65536, 12000, 1500], 2048, 65536
     R = len(lens)
     sc = torch.randn(R, cap, generator=gen)
-    G = itk._group_size(cap, topk, 64)
+    G = itk._group_size(64)
     L = torch.tensor(lens, dtype=torch.int32)
     gm = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf")).view(R, cap // G, G).amax(-1)
     ws = tuple(t.to(dev) for t in (sc, gm.contiguous(), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
