@@ -7,7 +7,7 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda ba
   delta correction, rank-1 update and readout in registers and writes the slice back in place. Optional in-kernel L2
   norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid. BV = 32 below 1024
   (sequence, head) pairs, 64 from there (at most V).
-- `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (H, T / 32, B), heads fastest: conv over
+- `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (H, T / 64, B), heads fastest: conv over
   [carried window | u] (the window advanced in place by the first tile's program) + SiLU for q/k/v, L2 norm of q/k
   (q scaled), beta sigmoid, the gate input f set to -inf in place on padding rows (the gate itself is computed in
   fla's chunk_kda).
@@ -92,8 +92,8 @@ if triton is not None:
     @triton.jit
     def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OB, T, su_b, su_t, scs_b, scs_t, sf_b, sf_t,
                                 sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
-        # heads vary fastest over the grid, so the programs in flight cover whole rows of u and of the outputs
-        # (a head's 256-byte column strip, 73 KB apart row to row at H = 96, read with poor DRAM page locality)
+        # heads vary fastest over the grid (with 64-token tiles the fastest of the four layouts measured:
+        # docs/kernels/kda.md)
         h = tl.program_id(0)
         it = tl.program_id(1)
         bid = tl.program_id(2).to(tl.int64)
@@ -341,7 +341,7 @@ def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l
     oq = torch.empty(B, T, H, D, dtype=u.dtype, device=dev)
     ok, ov = torch.empty_like(oq), torch.empty_like(oq)
     ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    bt = 32
+    bt = 64
     _kda_prefill_pre_kernel[(H, triton.cdiv(T, bt), B)](
         u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, ob, T,
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), f.stride(0), f.stride(1), b.stride(0),

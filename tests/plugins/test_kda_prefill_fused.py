@@ -37,7 +37,7 @@ from tests.plugins.test_kda_decode_fused import (
 @pytest.mark.parametrize("D", [32, 16])
 def test_prefill_prepare_matches_the_torch_form(dt, D):
     gen = torch.Generator().manual_seed(D * 5 + (dt == torch.bfloat16))
-    B, T, H = 4, 45, 4
+    B, T, H = 4, 150, 4  # three 64-token tiles, the last one partial; rows ending in the first and the third
     x = _layer(B, H, D, 48, dt, gen, T, [T, 20, 2, 0])
     (h, cs, _, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, _, A_log, dt_bias, _, _) = x
     cs_ref = cs.clone()
