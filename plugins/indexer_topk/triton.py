@@ -35,10 +35,11 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
    tensor-core dots [BS, 32] x [32, H] against q (scaled by a power of two into fp16 range: exact for bf16 q), ReLU,
    head weights, head sum, times 2^(e_max - 127). Writes fp32 scores [R, cap] and the max of every group of
    GROUP = 4 positions into a workspace.
-2. `_cand_kernel` (grid rows x slices): the row's group maxima merged F at a time into at most NGB (~2 topk) groups,
-   F chosen from the row's own length L; T = the top 16 key bits of the k-th largest of them (bisection in
-   registers; k = min(topk, L)): at least k scores are >= T, so every top-k score is a candidate; each program
-   appends its slice's candidates (atomic slot counter per row; typically 1.2-1.5 k of them where L >= 4 k).
+2. `_cand_kernel` (grid rows x slices): the row's group maxima merged into min(their number, NGB) (~2 topk) groups
+   of adjacent maxima, sizes differing by at most one, by the row's own length L; T = the top 16 key bits of the
+   k-th largest of them (bisection in registers; k = min(topk, L)): at least k scores are >= T, so every top-k score
+   is a candidate; each program appends its slice's candidates (atomic slot counter per row; typically 1.2-1.5 k of
+   them where L >= 4 k).
 3. `_final_kernel` (one program per row): exact selection among the candidates: bisection for the k-th key (stops
    once exactly k keys are >= mid; all candidates taken when there are at most k), ties to the lower position (a
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
@@ -290,10 +291,13 @@ if triton is not None:
                      BLK: tl.constexpr):
         # Threshold T = (top 16 bits of) the keff-th largest group max: at least keff scores are >= T, so every
         # top-keff score is a candidate. The score kernels write the max of every G positions; the row's ng of them
-        # are merged F at a time (F the least power of two leaving at most NGB, about 2 topk: groups of G * F
-        # positions, chosen by the row's own length, so a short row in a long cache still gets about 2 keff groups)
-        # and held in registers for the bisection. Each program recomputes T (same data, same result) and appends
-        # the candidates of its slice of the row (atomic slot counter per row).
+        # are merged into min(ng, NGB) groups (NGB about 2 topk) of adjacent maxima whose sizes differ by at most one
+        # (the first ng % NGB groups hold one more), by the row's own length, so a short row in a long cache still
+        # gets about 2 keff groups, and held in registers for the bisection. (Merging a power-of-two F at a time left
+        # ceil(ng / F) groups, barely above keff for rows just past a power of two: a 32769-position row had 2049
+        # groups, its threshold near the smallest group max, and a third of its positions as candidates.) Each
+        # program recomputes T (same data, same result) and appends the candidates of its slice of the row (atomic
+        # slot counter per row).
         r = tl.program_id(0)
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
@@ -308,16 +312,15 @@ if triton is not None:
         valid = pos < p1
         x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
         ng = tl.cdiv(L, G)
-        F = ng * 0 + 1
-        while F * NGB < ng:
-            F = F * 2
-        ngc = tl.cdiv(ng, F)
+        gq = ng // NGB
+        grem = ng % NGB
+        ngc = tl.minimum(ng, NGB)
         gbase = r.to(tl.int64) * ngcap
         ga = tl.arange(0, NGB)
         gk = tl.full([NGB], -2147483648, tl.int32)
-        for f in range(0, F):
-            a = ga * F + f
-            m = (ga < ngc) & (a < ng)
+        for f in range(0, gq + (grem > 0).to(tl.int32)):  # group g: maxima g gq + min(g, grem) + [0, gq + (g < grem))
+            a = ga * gq + tl.minimum(ga, grem) + f
+            m = f < gq + (ga < grem).to(tl.int32)
             gk = tl.maximum(gk, tl.where(m, _key(tl.load(GM + gbase + a, mask=m, other=0.0)), -2147483648))
         lo = L * 0 - 32768
         hi = tl.where(ngc >= keff, 32767, -32768)

@@ -415,12 +415,15 @@ def test_indexer_candidates_follow_the_rows_length():
     """Stage 2's threshold comes from group maxima merged by each row's own length, so rows much shorter than the
     cache's capacity keep a candidate set near topk (measured 2026-12-06, H100 e2e at 32K context in a 136K-token
     cache: the threshold from capacity-sized groups passed every position, 32K candidates, and the exact select took
-    134 us a call). Synthetic continuous scores, a 64K-position cache: rows of 30000 (groups merged 2 at a time),
-    65536 (4 at a time), 12000 (none) and 1500 (< topk: every position) positions, topk 2048. Expected candidate
-    shares for independent scores: 9%, 4%, 25%, 100%; asserted below 15%, 8%, 35%, and the selections exact."""
+    134 us a call). Synthetic continuous scores, a 64K-position cache: rows of 30000 (groups of 1-2 maxima), 65536
+    (4), 12000 (1), 1500 (< topk: every position) and 32772 positions, topk 2048. The last is just past a power of
+    two: merged a power-of-two F at a time it had 2049 groups and 33% of its positions passed (measured on the e2e
+    decode's scores at 32769 positions: 10.5K candidates); in 4096 groups of 2-3 maxima, 8%. Expected candidate
+    shares for independent scores: 9%, 4%, 25%, 100%, 8%; asserted below 15%, 8%, 35%, -, 12%, and the selections
+    exact."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5)
-    lens, topk, cap = [30000, 65536, 12000, 1500], 2048, 65536
+    lens, topk, cap = [30000, 65536, 12000, 1500, 32772], 2048, 65536
     R = len(lens)
     sc = torch.randn(R, cap, generator=gen)
     G = itk._group_size(64)
@@ -430,7 +433,7 @@ def test_indexer_candidates_follow_the_rows_length():
                                    torch.zeros(R, dtype=torch.int32)))
     itk._candidates(ws, L.to(dev), cap, cap // G, topk, G, itk._num_sms(ws[0].device))
     nc = ws[4].cpu().tolist()
-    for r, (n, c, share) in enumerate(zip(lens, nc, (0.15, 0.08, 0.35, 1.0))):
+    for r, (n, c, share) in enumerate(zip(lens, nc, (0.15, 0.08, 0.35, 1.0, 0.12))):
         assert min(n, topk) <= c <= share * n, (n, c)
         kth = sc[r, :n].topk(min(n, topk)).values[-1]
         top = (sc[r, :n] >= kth).nonzero().flatten()
