@@ -602,8 +602,11 @@ def _candidates(ws, row_len, cap: int, ngcap: int, topk: int, G: int, nsm: int) 
     s2 = max(1, min(triton.cdiv(cap, blk), (CAND_PROGS_PER_SM * nsm) // max(R, 1)))
     chunk = triton.cdiv(triton.cdiv(cap, s2), blk) * blk
     ngb = min(triton.next_power_of_2(max(ngcap, 16)), max(4096, triton.next_power_of_2(2 * topk)))
+    # the merged maxima live in registers: past 4096 of them (topk > 2048) twice the warps, or the kernel spills
+    # (sm_90, NGB 16384: 640 bytes of stack a thread at 4 warps, none at 8)
     _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
-                                                NGB=ngb, BLK=blk, num_warps=CAND_WARPS)
+                                                NGB=ngb, BLK=blk,
+                                                num_warps=CAND_WARPS if ngb <= 4096 else 2 * CAND_WARPS)
 
 
 def _select(ws, row_len, out_i, out_s, cap: int, ngcap: int, topk: int, G: int, nsm: int, pad_score: float):
