@@ -39,6 +39,9 @@ class Kernel:
     devices: where `run` works ("cuda" for Triton kernels; torch-composed kernels run on "cpu" too).
     inplace: {output index: input index} pairs the kernel writes in place (a cache updated where it lives).
     fallback: the op's one other kernel, used where this one does not apply (before the reference).
+    out: `run` also takes `out=`, a tuple with each output's planned slot in the executor's arena (None where none
+        is planned), and writes the outputs it can into them, returning those slots: the executor then copies
+        nothing for them (it copies any other tensor returned into its slot, so a kernel may decline per call).
     """
 
     run: Callable[..., Any]
@@ -47,6 +50,7 @@ class Kernel:
     inplace: dict = dataclasses.field(default_factory=dict)
     name: str = ""
     fallback: Kernel | None = None
+    out: bool = False
 
 
 # ---- TensorRT -------------------------------------------------------------------------------------------------

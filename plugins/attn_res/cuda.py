@@ -25,8 +25,16 @@ def stage1(x, a):
     return o1.to(bank.dtype), m1, e.sum(1)
 
 
-def merge(x, a):
-    """o1, m1, l1 (stage 1), partial [B,T,D], query [D], norm_weight [D] -> RMSNorm(mix) [B,T,D]."""
+def _slot(out, i: int, shape, dtype) -> torch.Tensor | None:
+    """out[i] when the executor gave a slot this kernel can write (contiguous, this shape and dtype), else None."""
+    t = out[i] if out is not None else None
+    ok = t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.is_contiguous()
+    return t if ok else None
+
+
+def merge(x, a, out=None):
+    """o1, m1, l1 (stage 1), partial [B,T,D], query [D], norm_weight [D] -> RMSNorm(mix) [B,T,D]; the last
+    product is rounded into the executor's slot when it gives one (out)."""
     o1, m1, l1, partial, query, norm_w = x
     slot = a["slot"]
     p = partial.float()
@@ -34,8 +42,11 @@ def merge(x, a):
     m = torch.maximum(m1[slot], sp)
     e1, ep = torch.exp(m1[slot] - m), torch.exp(sp - m)
     mix = (o1[slot].float() * e1.unsqueeze(-1) + p * ep.unsqueeze(-1)) / (l1[slot] * e1 + ep).unsqueeze(-1)
-    y = mix * _inv_rms(mix, a["norm_eps"]).unsqueeze(-1) * norm_w.float()
-    return (y.to(partial.dtype),)
+    y = mix * _inv_rms(mix, a["norm_eps"]).unsqueeze(-1)
+    dst = _slot(out, 0, partial.shape, partial.dtype)
+    if dst is None:
+        return ((y * norm_w.float()).to(partial.dtype),)
+    return (torch.mul(y, norm_w.float(), out=dst),)
 
 
 _FLOATS = ("FLOAT", "BFLOAT16", "FLOAT16")
@@ -54,18 +65,19 @@ def _triton_supports(values, attrs) -> str | None:
     return None
 
 
-def merge_triton(x, a):
+def merge_triton(x, a, out=None):
     from kimi_compile.plugins.attn_res import triton as tk
 
     o1, m1, l1, partial, query, norm_w = x
     why = tk.unsupported_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]))
     if why is not None:  # a shape the build could not see: say so once, run the fallback kernel
         warn_fallback_once("kimi.AttnResMerge", why, "torch.attn_res_merge")
-        return merge(x, a)
-    return (tk.attn_res_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]), a["eps"], a["norm_eps"]),)
+        return merge(x, a, out)
+    return (tk.attn_res_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]), a["eps"], a["norm_eps"],
+                              out=_slot(out, 0, partial.shape, partial.dtype)),)
 
 
-def stage1_triton(x, a):
+def stage1_triton(x, a, out=None):
     from kimi_compile.plugins.attn_res import triton as tk
 
     bank, queries = x
@@ -73,13 +85,18 @@ def stage1_triton(x, a):
     if why is not None:
         warn_fallback_once("kimi.AttnResStage1", why, "torch.attn_res_stage1")
         return stage1(x, a)
-    return tk.attn_res_stage1(bank, queries, a["eps"])
+    K, B, T, D = bank.shape
+    L = queries.shape[0]
+    slots = (_slot(out, 0, (L, B, T, D), bank.dtype), _slot(out, 1, (L, B, T), torch.float32),
+             _slot(out, 2, (L, B, T), torch.float32))
+    return tk.attn_res_stage1(bank, queries, a["eps"], out=slots if all(t is not None for t in slots) else None)
 
 
 
 CUDA = {
     "AttnResStage1": Kernel(stage1_triton, supports=_triton_supports, devices=("cuda",), name="triton.attn_res_stage1",
-                            fallback=Kernel(stage1, devices=("cuda", "cpu"), name="torch.attn_res_stage1")),
+                            fallback=Kernel(stage1, devices=("cuda", "cpu"), name="torch.attn_res_stage1"), out=True),
     "AttnResMerge": Kernel(merge_triton, supports=_triton_supports, devices=("cuda",), name="triton.attn_res_merge",
-                           fallback=Kernel(merge, devices=("cuda", "cpu"), name="torch.attn_res_merge")),
+                           fallback=Kernel(merge, devices=("cuda", "cpu"), name="torch.attn_res_merge", out=True),
+                           out=True),
 }

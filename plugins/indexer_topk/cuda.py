@@ -72,22 +72,28 @@ def _triton_supports(values, attrs) -> str | None:
     return None
 
 
-def indexer_topk_triton(x, a):
+def indexer_topk_triton(x, a, out=None):
+    """out: the executor's slots for (indices, scores), written in place when both are the op's contiguous
+    [B, T, topk] int64 / float32 (else the kernel allocates and the executor copies)."""
     from kimi_compile.plugins.indexer_topk import triton as tk
 
     q, w, pool, bt, start, lengths, scale_pool = x
     codes = pool.view(torch.uint8) if pool.dtype != torch.uint8 else pool
-    why = tk.unsupported(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
+    topk = int(a["topk"])
+    why = tk.unsupported(q, w.float(), codes, scale_pool, bt, start, lengths, topk)
     if why is not None:  # a shape the build could not see: say so once, run the fallback kernel
         warn_fallback_once("kimi.IndexerTopK", why, "torch.indexer_topk")
         return indexer_topk_torch(x, a)
-    return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, int(a["topk"]))
+    shape = (*q.shape[:2], topk)
+    ok = out is not None and all(t is not None and tuple(t.shape) == shape and t.dtype == d and t.is_contiguous()
+                                 for t, d in zip(out, (torch.int64, torch.float32)))
+    return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, topk, out=tuple(out) if ok else None)
 
 
 
 
 CUDA = {
-    "IndexerTopK": Kernel(indexer_topk_triton, supports=_triton_supports, devices=("cuda",),
+    "IndexerTopK": Kernel(indexer_topk_triton, supports=_triton_supports, devices=("cuda",), out=True,
                           name="triton.indexer_topk",
                           fallback=Kernel(indexer_topk_torch, devices=("cuda", "cpu"), name="torch.indexer_topk")),
 }

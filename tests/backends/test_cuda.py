@@ -131,6 +131,27 @@ def _specialized(artifact):
     return spec, clone, eager
 
 
+def test_kernels_declaring_out_write_into_their_planned_slots(k31_pair):
+    """A kernel with Kernel.out (here AttnResMerge's torch form, the CPU's kernel) is given its output's planned slot
+    and writes into it (the executor copies nothing for that output), with the same numbers as the first, unplanned
+    run, whose outputs the kernel allocated."""
+    _, cuda_dir = k31_pair
+    spec, feeds, eager = _specialized(cuda_dir)
+    merges = [s for s in spec.steps if s.op == "kimi.AttnResMerge"]
+    assert merges and all(s.writes_out for s in merges)
+    into_slot = []
+    for s in merges:
+        def wrapped(x, a, out=None, _fn=s.fn):
+            res = _fn(x, a, out=out)
+            into_slot.append(out is not None and res[0] is out[0])
+            return res
+        s.fn = wrapped
+    planned = spec.run({k: v.clone() for k, v in feeds.items()})
+    assert len(into_slot) == len(merges) and all(into_slot), into_slot
+    for k in eager:
+        assert torch.equal(planned[k], eager[k]), k
+
+
 def test_memory_plan_never_aliases_two_live_buffers(k31_pair):
     _, cuda_dir = k31_pair
     spec, feeds, eager = _specialized(cuda_dir)

@@ -147,3 +147,24 @@ def test_cuda_table_prefers_the_triton_kernels():
         k = acuda.CUDA[op]
         assert (k.name, k.devices) == (f"triton.{name}", ("cuda",))
         assert (k.fallback.name, k.fallback.devices, k.fallback.fallback) == (f"torch.{name}", ("cuda", "cpu"), None)
+
+
+@kernels
+def test_backend_kernels_write_into_the_executors_slots():
+    """The cuda backend's kernels (Kernel.out): given the outputs' planned slots they return those very tensors,
+    written; a slot of another shape or dtype is declined (the kernel allocates and the executor copies)."""
+    gen = torch.Generator().manual_seed(3)
+    x = [t.to(DEV) for t in _merge_inputs(3, 2, 1, 96, torch.bfloat16, gen)]
+    a = {"slot": 1, "eps": 1e-5, "norm_eps": 1e-6}
+    slot = torch.full((2, 1, 96), float("nan"), dtype=torch.bfloat16, device=DEV)
+    got = acuda.merge_triton(x, a, out=(slot,))[0]
+    assert got is slot and torch.equal(got, atk.attn_res_merge(*x, 1, 1e-5, 1e-6))
+    other = torch.empty(2, 1, 96, device=DEV)  # float32: not the output's dtype
+    assert acuda.merge_triton(x, a, out=(other,))[0] is not other
+    bank = (torch.randn(4, 2, 1, 96, generator=gen)).to(DEV)
+    queries = (torch.randn(3, 96, generator=gen) * 0.5).to(DEV)
+    slots = (torch.full((3, 2, 1, 96), float("nan"), device=DEV), torch.full((3, 2, 1), float("nan"), device=DEV),
+             torch.full((3, 2, 1), float("nan"), device=DEV))
+    got = acuda.stage1_triton([bank, queries], {"eps": 1e-5}, out=slots)
+    want = atk.attn_res_stage1(bank, queries, 1e-5)
+    assert all(g is s and torch.equal(g, w) for g, s, w in zip(got, slots, want))

@@ -365,6 +365,31 @@ def test_indexer_topk_contract(zero_w):
             assert bool((gs[b, t, 1:n] <= gs[b, t, :n - 1]).all())
 
 
+@gpu
+def test_indexer_backend_kernel_writes_into_the_executors_slots():
+    """The cuda backend's IndexerTopK kernel (Kernel.out): given the executor's (indices, scores) slots it returns
+    those very tensors, equal to the op's own allocation; a slot of another dtype is declined."""
+    from kimi_compile.plugins.indexer_topk import cuda as icuda
+
+    gen = torch.Generator().manual_seed(13)
+    lens, T, topk = [900, 300], 1, 256
+    codes, scales, bt = _index_cache(lens, 64, gen)
+    B = len(lens)
+    q = torch.randn(B, T, 64, 128, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(B, T, 64, generator=gen) * 0.1).to(DEV)
+    start = torch.tensor([n - T for n in lens], device=DEV)
+    length = torch.full((B,), T, dtype=torch.int64, device=DEV)
+    x = [q, w, codes.view(torch.float8_e4m3fn).to(DEV), bt.long().to(DEV), start, length, scales.to(DEV)]
+    a = {"topk": topk, "k_format": "mxfp8", "block": 32}
+    slots = (torch.full((B, T, topk), -7, dtype=torch.int64, device=DEV),
+             torch.full((B, T, topk), float("nan"), device=DEV))
+    got = icuda.indexer_topk_triton(x, a, out=slots)
+    want = itk.indexer_topk(q, w, x[2].view(torch.uint8), x[6], x[3], start, length, topk)
+    assert all(g is s and torch.equal(g, w_) for g, s, w_ in zip(got, slots, want))
+    other = (torch.empty(B, T, topk, dtype=torch.int32, device=DEV), slots[1])
+    assert icuda.indexer_topk_triton(x, a, out=other)[0] is not other[0]
+
+
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 

@@ -12,7 +12,8 @@ Specialization (once per input-shape signature, e.g. a decode batch bucket):
      shape arguments from the device and the program can be captured;
   2. a recording run gives every intermediate's shape and dtype; liveness over the remaining steps gives the memory
      plan (memory.py); one arena is allocated and every planned intermediate is a view of it;
-  3. later runs allocate nothing for planned values: a step's outputs are written into their slots.
+  3. later runs allocate nothing for planned values: a step's outputs are written into their slots (by the op
+     itself for the ONNX ops of onnx_ops.OUT_TABLE and the kernels declaring `Kernel.out`, else copied in).
 In-place outputs (a kernel's `inplace` pairs: paged cache writes, KDA states) alias their input: caches are updated
 where they live and the graph output `<cache>.out` is the input tensor itself.
 """
@@ -48,6 +49,7 @@ class Step:
     host_inputs: frozenset = frozenset()
     stream: int = 0  # the stream the step runs on (node metadata kimi.stream, from the assign_streams pass)
     waits: tuple[str, ...] = ()  # producers on other streams (kimi.wait): their events are waited on first
+    writes_out: bool = False  # fn takes out= (the outputs' planned slots) and writes into them (Kernel.out)
 
 
 def _attr_value(a: ir.Attr) -> Any:
@@ -178,9 +180,10 @@ class Program:
                    if self.kernel_device not in kernel.devices else
                    (kernel.supports(meta, full) if kernel.supports else None))
             if not why:
-                return Step(index, name, f"kimi.{node.op_type}", _typed(kernel.run, [self.values[o] for o in outs]),
-                            ins, outs, full, f"kernel:{kernel.name or node.op_type}", reason="; ".join(reasons),
-                            inplace=dict(kernel.inplace))
+                return Step(index, name, f"kimi.{node.op_type}",
+                            _typed(kernel.run, [self.values[o] for o in outs], kernel.out), ins, outs, full,
+                            f"kernel:{kernel.name or node.op_type}", reason="; ".join(reasons),
+                            inplace=dict(kernel.inplace), writes_out=kernel.out)
             reasons.append(f"{kernel.name or node.op_type}: {why}")
             kernel = kernel.fallback
         kernel = self.kernels.get(node.op_type)
@@ -238,12 +241,13 @@ class Program:
                 if s.inputs[i] is not None and s.inputs[i] in names}
 
 
-def _typed(fn: Callable, outs: list[ir.Value]) -> Callable:
-    """A kernel's outputs in the dtypes the graph declares for them (a kernel may compute in another)."""
+def _typed(fn: Callable, outs: list[ir.Value], takes_out: bool = False) -> Callable:
+    """A kernel's outputs in the dtypes the graph declares for them (a kernel may compute in another). takes_out:
+    `fn` takes out= (Kernel.out), passed on when the executor gives the outputs' slots."""
     want = [onnx_ops.torch_dtype(v.dtype) if v.dtype is not None else None for v in outs]
 
-    def run(x, a):
-        res = tuple(fn(x, a))
+    def run(x, a, out=None):
+        res = tuple(fn(x, a, out=out) if takes_out and out is not None else fn(x, a))
         return tuple(t if w is None or t.dtype == w else t.to(w) for t, w in zip(res, want))
     return run
 
@@ -442,8 +446,11 @@ class Specialized:
                                    f"planned {tuple(shape)} slot; the step's shapes differ from the first run's")
             env[s.outputs[0]] = slot
             return
-        outs = s.fn(self._args(s, env), s.attrs)
         slots = self.slots
+        if s.writes_out and slots:  # the kernel writes into the outputs' slots itself (Kernel.out): no copies
+            outs = s.fn(self._args(s, env), s.attrs, out=tuple(slots.get(o) for o in s.outputs))
+        else:
+            outs = s.fn(self._args(s, env), s.attrs)
         for o, t in zip(s.outputs, outs):
             slot = slots.get(o)
             if slot is not None:
