@@ -111,7 +111,9 @@ def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0, ro
     return r if rows else r.reshape(xf.shape[0], k, -1).sum(1)
 
 
-def moe(x, a):
+def moe(x, a, out=None):
+    """kimi.MoE; out: the executor's slot for the output, where the routed and shared sums are added into when it
+    is the output's contiguous shape and dtype."""
     (h, router_w, router_bias, w_down, w1, w3, w2, norm_w, w_up, sh_gate, sh_up, sh_down) = x
     shape, dt = h.shape, h.dtype
     xf = h.reshape(-1, shape[-1])
@@ -126,6 +128,10 @@ def moe(x, a):
         rn = _norm(rk.reshape(xf.shape[0], k, -1).sum(1), norm_w, a["eps"]).to(dt)
     y = rn @ w_up.t().to(dt)
     shared = _situ(xf @ sh_up.t().to(dt), xf @ sh_gate.t().to(dt), a, dt) @ sh_down.t().to(dt)
+    dst = out[0] if out is not None else None
+    if dst is not None and tuple(dst.shape) == tuple(shape) and dst.dtype == y.dtype and dst.is_contiguous():
+        torch.add(y, shared, out=dst.view(y.shape))
+        return (dst,)
     return ((y + shared).reshape(shape),)
 
 
@@ -136,5 +142,5 @@ def moe_experts(x, a):
     return (r.to(h.dtype).reshape(*h.shape[:-1], r.shape[-1]),)
 
 
-CUDA = {"MoE": Kernel(moe, devices=("cuda", "cpu"), name="torch.grouped_moe"),
+CUDA = {"MoE": Kernel(moe, devices=("cuda", "cpu"), name="torch.grouped_moe", out=True),
         "MoEExperts": Kernel(moe_experts, devices=("cuda", "cpu"), name="torch.grouped_moe_experts")}
