@@ -62,62 +62,70 @@ def qdq_fp8_tile(x, a):
 
 
 def _mx_triton_supports(values, attrs) -> str | None:
-    """Build-time check: the Triton MX kernels take block 32, E4M3 and floor / ceil rounding (the shape's last dim
-    is checked when they run)."""
+    """Build-time check: the Triton MX kernels take blocks of 32 or 128, E4M3 and floor / ceil rounding (the
+    shape's last dim is checked when they run)."""
     from kimi_compile.plugins.quant import triton as tk
 
     if tk.triton is None:
         return "triton is not installed"
-    if int(attrs.get("block", 32)) != 32 or int(attrs.get("elem_type", 17)) != 17:
-        return f"block / elem_type: the Triton MX kernels take block 32 and E4M3 (17), got block " \
-               f"{attrs.get('block')} and elem_type {attrs.get('elem_type')}"
+    if int(attrs.get("block", 32)) not in tk.MX_BLOCKS or int(attrs.get("elem_type", 17)) != 17:
+        return f"block / elem_type: the Triton MX kernels take blocks of {' or '.join(map(str, tk.MX_BLOCKS))} and " \
+               f"E4M3 (17), got block {attrs.get('block')} and elem_type {attrs.get('elem_type')}"
     if attrs.get("rounding", "floor") not in ("floor", "ceil"):
         return f"rounding: the Triton MX kernels round floor or ceil, got {attrs.get('rounding')!r}"
     return None
 
 
-def _mx_triton_refuses(x: torch.Tensor) -> str | None:
+def _mx_triton_refuses(x: torch.Tensor, block: int) -> str | None:
     if not x.is_cuda:
         return f"x is on {x.device}, not a CUDA device"
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"x must be float32, bfloat16 or float16, got {x.dtype}"
     D = x.shape[-1] if x.dim() else 0
-    if D < 32 or D & (D - 1):
-        return f"x's last dim must be a power of two of at least 32, got shape {tuple(x.shape)}"
+    if D < block or D & (D - 1):
+        return f"x's last dim must be a power of two of at least the block ({block}), got shape {tuple(x.shape)}"
     return None
 
 
-def _triton_codes(x, a, op: str, fallback: str):
-    """(codes, scales) from the Triton quantize kernel, or None after saying once why `fallback` runs instead."""
-    why = _mx_triton_refuses(x[0])
+def _triton_codes(x, a, op: str, fallback: str, out=None):
+    """(codes, scales) from the Triton quantize kernel (into `out` where it fits), or None after saying once why
+    `fallback` runs instead."""
+    block = int(a.get("block", 32))
+    why = _mx_triton_refuses(x[0], block)
     if why is not None:
         warn_fallback_once(op, why, fallback)
         return None
     from kimi_compile.plugins.quant import triton as tk
 
-    return tk.mxfp8_quantize(x[0], a["rounding"])
+    return tk.mxfp8_quantize(x[0], a["rounding"], block, out=out)
 
 
-def quantize_mx_triton(x, a):
-    qs = _triton_codes(x, a, "kimi.QuantizeMX", "torch.mx_quantize")
-    return quantize_mx(x, a) if qs is None else (qs[0].view(torch.float8_e4m3fn), qs[1])
+def quantize_mx_triton(x, a, out=None):
+    """out: the executor's (codes, scales) slots, written in place where they fit."""
+    qs = _triton_codes(x, a, "kimi.QuantizeMX", "torch.mx_quantize", out)
+    if qs is None:
+        return quantize_mx(x, a)
+    codes = qs[0] if qs[0].dtype == torch.float8_e4m3fn else qs[0].view(torch.float8_e4m3fn)
+    return codes, qs[1]
 
 
-def qdq_mx_triton(x, a):
+def qdq_mx_triton(x, a, out=None):
+    """out: the executor's slot for the values, written in place where it fits."""
     qs = _triton_codes(x, a, "kimi.QDQMX", "torch.mx_qdq")
     if qs is None:
         return qdq_mx(x, a)
     from kimi_compile.plugins.quant import triton as tk
 
-    return (tk.mxfp8_dequantize(qs[0], qs[1], x[0].dtype),)
+    return (tk.mxfp8_dequantize(qs[0], qs[1], x[0].dtype, int(a.get("block", 32)),
+                                out=out[0] if out is not None else None),)
 
 
 _ANY = ("cuda", "cpu")
 CUDA = {
-    "QuantizeMX": Kernel(quantize_mx_triton, supports=_mx_triton_supports, name="triton.mx_quantize",
+    "QuantizeMX": Kernel(quantize_mx_triton, supports=_mx_triton_supports, name="triton.mx_quantize", out=True,
                          fallback=Kernel(quantize_mx, devices=_ANY, name="torch.mx_quantize")),
     "DequantizeMX": Kernel(dequantize_mx, devices=_ANY, name="torch.mx_dequantize"),
-    "QDQMX": Kernel(qdq_mx_triton, supports=_mx_triton_supports, name="triton.mx_qdq",
+    "QDQMX": Kernel(qdq_mx_triton, supports=_mx_triton_supports, name="triton.mx_qdq", out=True,
                     fallback=Kernel(qdq_mx, devices=_ANY, name="torch.mx_qdq")),
     "QuantizeFP8Tile": Kernel(quantize_fp8_tile, devices=_ANY, name="torch.fp8_tile_quantize"),
     "DequantizeFP8Tile": Kernel(dequantize_fp8_tile, devices=_ANY, name="torch.fp8_tile_dequantize"),

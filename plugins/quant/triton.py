@@ -4,8 +4,8 @@ gives the pools (semantics: plugins/quant/reference.py, `mx_quantize`).
 - `mxfp8_quantize_to_cache(x, slot_mapping, codes, scales, rounding)`: the index-K cache (index_k_cache mxfp8,
   block 32): x [N, D] -> E4M3 codes [NB, BS, D] uint8 and E8M0 scales [NB, BS, D / 32] uint8 at the flat slots
   slot_mapping[n] (block * BS + row; < 0 = skip). rounding "floor" (OCP, saturating) or "ceil" (no saturation).
-- `mxfp8_quantize(x, rounding)` / `mxfp8_dequantize(codes, scales, dtype)`: the same codes and scales as plain tensors,
-  and back (kimi.QuantizeMX and kimi.QDQMX on the cuda backend, block 32, E4M3).
+- `mxfp8_quantize(x, rounding, block)` / `mxfp8_dequantize(codes, scales, dtype, block)`: the same codes and scales
+  as plain tensors (block 32 or 128), and back (kimi.QuantizeMX and kimi.QDQMX on the cuda backend, E4M3).
 - `mla_fp8_quantize_to_cache(c_kv, k_pe, slot_mapping, kv_codes, kv_scales, kv_rope)`: the latent KV cache
   (latent_kv_cache fp8_tile, tile 128, scale_fmt ue8m0, latent_rope keep): c_kv [N, 512] -> E4M3 codes
   [NB, BS, 512] uint8 and one E8M0 byte per 128-element tile [NB, BS, 4] uint8 (rounding "ceil": the scale is the
@@ -94,45 +94,66 @@ def _need(ok: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+MX_BLOCKS = (32, 128)  # the block sizes the MX kernels are built for (index-K 32; the latent KV cache's tile 128)
+
+
 def mxfp8_quantize_to_cache(x: torch.Tensor, slot_mapping: torch.Tensor, codes_cache: torch.Tensor,
-                            scales_cache: torch.Tensor, rounding: str = "floor") -> None:
-    """x [N, D] float (D % 32 == 0, unit last stride) -> codes_cache [NB, BS, D] uint8 and scales_cache
-    [NB, BS, D / 32] uint8 (contiguous), written in place at the flat slots slot_mapping [N] (negative = skip)."""
+                            scales_cache: torch.Tensor, rounding: str = "floor", block: int = 32) -> None:
+    """x [N, D] float (D % block == 0, unit last stride) -> codes_cache [NB, BS, D] uint8 and scales_cache
+    [NB, BS, D / block] uint8 (contiguous), written in place at the flat slots slot_mapping [N] (negative = skip)."""
     if triton is None:
         raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
     _need(rounding in ("floor", "ceil"),
           f"mxfp8_quantize_to_cache: rounding must be 'floor' or 'ceil', got {rounding!r}")
+    _need(block in MX_BLOCKS, f"mxfp8_quantize_to_cache: block must be one of {MX_BLOCKS}, got {block}")
     N, D = x.shape
-    _need(x.stride(1) == 1 and D % 32 == 0, f"mxfp8_quantize_to_cache: x must be [N, D] with D % 32 == 0 and unit "
-          f"last stride, got {tuple(x.shape)} strides {x.stride()}")
+    _need(x.stride(1) == 1 and D % block == 0, f"mxfp8_quantize_to_cache: x must be [N, D] with D % {block} == 0 and "
+          f"unit last stride, got {tuple(x.shape)} strides {x.stride()}")
     _need(codes_cache.dtype == torch.uint8 and codes_cache.shape[-1] == D and codes_cache.is_contiguous(),
           f"mxfp8_quantize_to_cache: codes_cache must be a contiguous uint8 [NB, BS, {D}] pool")
-    _need(scales_cache.dtype == torch.uint8 and scales_cache.shape[-1] == D // 32 and scales_cache.is_contiguous(),
-          f"mxfp8_quantize_to_cache: scales_cache must be a contiguous uint8 [NB, BS, {D // 32}] pool")
+    _need(scales_cache.dtype == torch.uint8 and scales_cache.shape[-1] == D // block and scales_cache.is_contiguous(),
+          f"mxfp8_quantize_to_cache: scales_cache must be a contiguous uint8 [NB, BS, {D // block}] pool")
     if N == 0:
         return
     br = 16
     _mx_quant_kernel[(triton.cdiv(N, br),)](x, slot_mapping, codes_cache, scales_cache, x, x, N, x.stride(0), 0,
-                                            D=D, BLOCK=32, BR=br, CEIL=rounding == "ceil", PE=0, num_warps=4)
+                                            D=D, BLOCK=block, BR=br, CEIL=rounding == "ceil", PE=0, num_warps=4)
 
 
-def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor") -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D] uint8, scales [..., D / 32] uint8)."""
+def _into(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+    """out as a uint8 / dtype view when it is a contiguous tensor of this shape (float8 codes seen as their bytes),
+    else None (the caller allocates)."""
+    if out is None or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
+        return None
+    if dtype == torch.uint8 and out.dtype == torch.float8_e4m3fn:
+        return out.view(torch.uint8)
+    return out if out.dtype == dtype else None
+
+
+def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor", block: int = 32, *,
+                   out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (codes [..., D] uint8, scales [..., D / block] uint8); out: (codes, scales) written in place
+    where each is a contiguous tensor of that shape (codes may be float8_e4m3fn), those very tensors returned."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(1) != 1:  # a strided view (a Slice with a step): the kernel reads unit-stride rows
         x2 = x2.contiguous()
     n = x2.shape[0]
-    codes = torch.empty(n, 1, D, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(n, 1, D // 32, dtype=torch.uint8, device=x.device)
-    mxfp8_quantize_to_cache(x2, torch.arange(n, device=x.device), codes, scales, rounding)
-    return codes.reshape(x.shape), scales.reshape(*x.shape[:-1], D // 32)
+    oc, os_ = out if out is not None else (None, None)
+    oc8, os8 = _into(oc, x.shape, torch.uint8), _into(os_, (*x.shape[:-1], D // block), torch.uint8)
+    codes = oc8.view(n, 1, D) if oc8 is not None else torch.empty(n, 1, D, dtype=torch.uint8, device=x.device)
+    scales = os8.view(n, 1, D // block) if os8 is not None else \
+        torch.empty(n, 1, D // block, dtype=torch.uint8, device=x.device)
+    mxfp8_quantize_to_cache(x2, torch.arange(n, device=x.device), codes, scales, rounding, block)
+    return (oc if oc8 is not None else codes.reshape(x.shape),
+            os_ if os8 is not None else scales.reshape(*x.shape[:-1], D // block))
 
 
-def mxfp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = 32
-                     ) -> torch.Tensor:
+def mxfp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = 32, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """codes [..., D] (E4M3 bytes: uint8 or float8_e4m3fn) and E8M0 scales [..., D / block] uint8 -> values [..., D]
-    in `dtype`: code * 2^(scale - 127), NaN where the scale byte is 0xFF (kimi.DequantizeMX's semantics)."""
+    in `dtype`: code * 2^(scale - 127), NaN where the scale byte is 0xFF (kimi.DequantizeMX's semantics); out: written
+    in place (and returned) when it is a contiguous `dtype` tensor of codes' shape."""
     if triton is None:
         raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
     D = codes.shape[-1]
@@ -145,11 +166,12 @@ def mxfp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     c = codes.reshape(-1, D).contiguous().view(torch.uint8)
     sc = scales.reshape(-1, D // block).contiguous()
     n = c.shape[0]
-    out = torch.empty(n, D, dtype=dtype, device=codes.device)
+    dst = _into(out, codes.shape, dtype)
+    res = dst.view(n, D) if dst is not None else torch.empty(n, D, dtype=dtype, device=codes.device)
     if n:
         br = 16
-        _mx_dequant_kernel[(triton.cdiv(n, br),)](c, sc, out, n, D=D, BLOCK=block, BR=br, num_warps=4)
-    return out.reshape(codes.shape)
+        _mx_dequant_kernel[(triton.cdiv(n, br),)](c, sc, res, n, D=D, BLOCK=block, BR=br, num_warps=4)
+    return dst if dst is not None else res.reshape(codes.shape)
 
 
 def mla_fp8_quantize_to_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,

@@ -219,22 +219,35 @@ def test_mxfp8_dequantize_exact():
 
 
 @gpu
+@pytest.mark.parametrize("block", [32, 128])
 @pytest.mark.parametrize("rounding", ["floor", "ceil"])
-def test_quantize_and_qdq_mx_kernels_equal_their_torch_twins(rounding):
-    """The cuda backend's kimi.QuantizeMX / kimi.QDQMX Triton kernels give the torch twins' bytes and values."""
+def test_quantize_and_qdq_mx_kernels_equal_their_torch_twins(rounding, block):
+    """The cuda backend's kimi.QuantizeMX / kimi.QDQMX Triton kernels give the torch twins' bytes and values (blocks
+    of 32: the index keys; of 128: the latent KV cache, which ran the torch form's ~37 launches before), written into
+    the executor's slots when given (Kernel.out: those very tensors returned)."""
     from kimi_compile.plugins.quant import cuda as qcuda
 
-    gen = torch.Generator().manual_seed(5)
-    x = (torch.randn(3, 37, 128, generator=gen) * torch.exp(torch.randn(3, 37, 1, generator=gen) * 3)).bfloat16()
-    x[0, 1, :32], x[1, 2, 7] = 0, float("nan")
-    a = {"block": 32, "elem_type": 17, "rounding": rounding}
-    q, s = qcuda.quantize_mx_triton([x.cuda()], a)
-    rq, rs = qcuda.quantize_mx([x.cuda()], a)
+    gen = torch.Generator().manual_seed(5 + block)
+    x = (torch.randn(3, 37, 512, generator=gen) * torch.exp(torch.randn(3, 37, 1, generator=gen) * 3)).bfloat16()
+    x[0, 1, :block], x[1, 2, 7], x[2, 3, 300] = 0, float("nan"), float("inf")
+    x = x.to(DEV)
+    a = {"block": block, "elem_type": 17, "rounding": rounding}
+    q, s = qcuda.quantize_mx_triton([x], a)
+    rq, rs = qcuda.quantize_mx([x], a)
     assert q.dtype == rq.dtype and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
-    (y,) = qcuda.qdq_mx_triton([x.cuda()], a)
-    (ry,) = qcuda.qdq_mx([x.cuda()], a)
+    assert s.shape == (3, 37, 512 // block)
+    slots = (torch.full((3, 37, 512), 7, dtype=torch.uint8, device=DEV).view(torch.float8_e4m3fn),
+             torch.full((3, 37, 512 // block), 7, dtype=torch.uint8, device=DEV))
+    got = qcuda.quantize_mx_triton([x], a, out=slots)
+    assert all(g is t for g, t in zip(got, slots))
+    assert torch.equal(slots[0].view(torch.uint8), rq.view(torch.uint8)) and torch.equal(slots[1], rs)
+    (y,) = qcuda.qdq_mx_triton([x], a)
+    (ry,) = qcuda.qdq_mx([x], a)
     assert y.dtype == ry.dtype == torch.bfloat16
     assert torch.equal(torch.isnan(y), torch.isnan(ry)) and torch.equal(torch.nan_to_num(y), torch.nan_to_num(ry))
+    ys = torch.full_like(y, float("nan"))
+    assert qcuda.qdq_mx_triton([x], a, out=(ys,))[0] is ys and torch.equal(torch.nan_to_num(ys), torch.nan_to_num(ry))
+    assert qcuda.qdq_mx_triton([x], a, out=(torch.empty(3, 37, 512, device=DEV),))[0].dtype == torch.bfloat16
 
 
 @gpu
@@ -652,10 +665,12 @@ def test_mx_kernels_refuse_and_fall_back_with_reasons(caplog):
     from kimi_compile.plugins.quant import cuda as qcuda
 
     if qtk.triton is not None:
-        assert "block 32" in qcuda._mx_triton_supports([], {"block": 16, "elem_type": 17, "rounding": "floor"})
+        why = qcuda._mx_triton_supports([], {"block": 16, "elem_type": 17, "rounding": "floor"})
+        assert "blocks of 32 or 128" in why and "got block 16" in why
         assert "rounding" in qcuda._mx_triton_supports([], {"block": 32, "elem_type": 17, "rounding": "rne"})
         assert qcuda._mx_triton_supports([], {"block": 32, "elem_type": 17, "rounding": "ceil"}) is None
-    assert "not a CUDA device" in qcuda._mx_triton_refuses(torch.zeros(2, 96))
+        assert qcuda._mx_triton_supports([], {"block": 128, "elem_type": 17, "rounding": "ceil"}) is None
+    assert "not a CUDA device" in qcuda._mx_triton_refuses(torch.zeros(2, 96), 32)
     x = torch.randn(4, 64)
     a = {"block": 32, "elem_type": 17, "rounding": "floor"}
     with caplog.at_level("WARNING", logger="kimi_compile.kernels"):
