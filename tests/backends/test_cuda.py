@@ -132,13 +132,14 @@ def _specialized(artifact):
 
 
 def test_kernels_declaring_out_write_into_their_planned_slots(k31_pair):
-    """A kernel with Kernel.out (here AttnResMerge's and MoE's torch forms, the CPU's kernels) is given its output's
-    planned slot and writes into it (the executor copies nothing for that output), with the same numbers as the
-    first, unplanned run, whose outputs the kernel allocated."""
+    """A kernel with Kernel.out (here AttnResMerge's, MoE's and KDA's torch forms, the CPU's kernels) is given its
+    output's planned slot and writes into it (the executor copies nothing for that output), with the same numbers as
+    the first, unplanned run, whose outputs the kernel allocated."""
     _, cuda_dir = k31_pair
     spec, feeds, eager = _specialized(cuda_dir)
-    merges = [s for s in spec.steps if s.op in ("kimi.AttnResMerge", "kimi.MoE")]
-    assert {s.op for s in merges} == {"kimi.AttnResMerge", "kimi.MoE"} and all(s.writes_out for s in merges)
+    kinds = ("kimi.AttnResMerge", "kimi.MoE", "kimi.KDA")
+    merges = [s for s in spec.steps if s.op in kinds]
+    assert {s.op for s in merges} == set(kinds) and all(s.writes_out for s in merges)
     into_slot = []
     for s in merges:
         def wrapped(x, a, out=None, _fn=s.fn):

@@ -134,11 +134,14 @@ def test_kda_kernel_on_the_gpu_takes_the_fused_decode(monkeypatch):
     x = _to(_layer(3, 4, 128, 256, torch.bfloat16, gen), "cuda")
     calls = []
     real = kcuda.decode_fused
-    monkeypatch.setattr(kcuda, "decode_fused", lambda x_, a_: calls.append(1) or real(x_, a_))
+    monkeypatch.setattr(kcuda, "decode_fused", lambda x_, a_, *r: calls.append(1) or real(x_, a_, *r))
     fused_x = [t.clone() for t in x]
     got = kcuda.kda(fused_x, ATTRS)
     assert calls, "the fused decode was not taken"
-    monkeypatch.setattr(kcuda, "decode_fused", lambda x_, a_: None)
+    slot = torch.full_like(got[0], float("nan"))  # the executor's slot (Kernel.out): written, the same numbers
+    into = kcuda.kda([t.clone() for t in x], ATTRS, out=(slot, None, None))
+    assert into[0] is slot and torch.equal(slot, got[0])
+    monkeypatch.setattr(kcuda, "decode_fused", lambda x_, a_, *r: None)
     torch_x = [t.clone() for t in x]
     want = kcuda.kda(torch_x, ATTRS)
     assert _rel(got[0].float(), want[0].float()) < 2e-2

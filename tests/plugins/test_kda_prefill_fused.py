@@ -78,12 +78,12 @@ def test_kda_kernel_on_the_gpu_takes_the_fused_prefill(monkeypatch, dt):
     x = _to(_layer(4, 4, 128, 256, dt, gen, T, [T, 77, 2, 0]), "cuda")
     calls = []
     real = kcuda.prefill_fused
-    monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_: calls.append(1) or real(x_, a_))
+    monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_, *r: calls.append(1) or real(x_, a_, *r))
     fused_x = [t.clone() for t in x]
     got = kcuda.kda(fused_x, ATTRS)
     assert calls and got is not None, "the fused prefill was not taken"
     assert got[1] is fused_x[1] and got[2] is fused_x[2]  # in place, as the op's contract says
-    monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_: None)
+    monkeypatch.setattr(kcuda, "prefill_fused", lambda x_, a_, *r: None)
     torch_x = [t.clone() for t in x]
     want = kcuda.kda(torch_x, ATTRS)
     f32 = dt == torch.float32
