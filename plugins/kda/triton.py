@@ -318,7 +318,16 @@ def prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths) -> str | N
     """Why `kda_prefill_prepare` does not take these inputs, naming the field; None when it does."""
     if b.dim() != 3:
         return f"kda_prefill_prepare: b must be [B, T, H], got {tuple(b.shape)}"
-    return _prepare_unsupported("kda_prefill_prepare", u, conv_state, conv_w, f, b, lengths, b.shape[-1])
+    why = _prepare_unsupported("kda_prefill_prepare", u, conv_state, conv_w, f, b, lengths, b.shape[-1])
+    if why is not None:
+        return why
+    B, T, _ = u.shape
+    if B > 65535 or triton.cdiv(T, 64) > 65535:  # the grid's z (sequences) and y (64-token tiles) limits
+        return f"kda_prefill_prepare: at most 65535 sequences and 65535 * 64 tokens, got u {tuple(u.shape)}"
+    if max(T * u.stride(1), T * f.stride(1), T * b.stride(1)) >= 2 ** 31:  # in-row offsets are int32 in the kernel
+        return (f"kda_prefill_prepare: T x row stride must stay below 2^31 (int32 offsets), got T={T}, strides "
+                f"u {u.stride(1)}, f {f.stride(1)}, b {b.stride(1)}")
+    return None
 
 
 def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l2_eps: float):

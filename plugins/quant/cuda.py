@@ -1,9 +1,10 @@
 """cuda backend kernels for the quantization ops: the torch twins of the references (plugins/quant/reference.py,
 bit-identical codes and scales) on any device; float8 outputs as torch float8 tensors over the same bytes.
 
-kimi.QuantizeMX and kimi.QDQMX (block 32, E4M3, floor or ceil rounding: the indexer's MXFP8 Q and K) run Triton
-kernels on the GPU by default (plugins/quant/triton.py: one launch to quantize, one to dequantize, where the torch
-twins issue 37 and 44 operations); their torch twins are the one fallback and what the CPU runs."""
+kimi.QuantizeMX and kimi.QDQMX (blocks of 32 or 128, E4M3, floor or ceil rounding: the indexer's MXFP8 Q and K, the
+latent KV cache's tiles) run Triton kernels on the GPU by default (plugins/quant/triton.py: one launch to quantize,
+one to dequantize, where the torch twins issue 37 and 44 operations), written into the executor's slots; their torch
+twins are the one fallback and what the CPU runs."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from kimi_compile.backends.cuda import memory
+from kimi_compile.backends.cuda import memory, program
 from kimi_compile.backends.cuda.program import Program
 from kimi_compile.build import build, trace_options
 from kimi_compile.functions import attach_functions
@@ -151,6 +151,17 @@ def test_kernels_declaring_out_write_into_their_planned_slots(k31_pair):
     assert len(into_slot) == len(merges) and all(into_slot), into_slot
     for k in eager:
         assert torch.equal(planned[k], eager[k]), k
+
+
+def test_copy_first_passes_the_slots_on():
+    """A kernel whose in-place pair the executor dropped (its input cloned first) still gets out= (Kernel.out)."""
+    seen = []
+    run = program._copy_first(lambda x, a, **kw: seen.append((x[0] is not orig, kw)) or (x[0],), 0)
+    orig = torch.zeros(2)
+    slot = torch.empty(2)
+    run([orig], {}, out=(slot,))
+    run([orig], {})
+    assert seen == [(True, {"out": (slot,)}), (True, {})]
 
 
 def test_memory_plan_never_aliases_two_live_buffers(k31_pair):

@@ -116,3 +116,9 @@ def test_prefill_prepare_refusals_name_the_field():
     with pytest.raises(ValueError, match="kernel size 4"):
         ktk.kda_prefill_prepare(u, ok["conv_state"], torch.zeros(P3, 3), ok["f"], ok["b"], ok["lengths"], scale=1.0,
                                 l2_eps=1e-6)
+    # 70000 tokens of 96 heads x 128: offsets past int32 in the kernel's rows (meta tensors: shapes only)
+    Tl, Pl, Hl = 70000, 96 * 128, 96
+    big = {"conv_state": torch.empty(1, 3, 3 * Pl, device="meta"), "conv_w": torch.empty(3 * Pl, 4, device="meta"),
+           "f": torch.empty(1, Tl, Pl, device="meta"), "b": torch.empty(1, Tl, Hl, device="meta"),
+           "lengths": torch.ones(1, dtype=torch.int64)}
+    assert "2^31" in ktk.prefill_prepare_unsupported(torch.empty(1, Tl, 3 * Pl, device="meta"), **big)

@@ -253,10 +253,10 @@ def _typed(fn: Callable, outs: list[ir.Value], takes_out: bool = False) -> Calla
 
 
 def _copy_first(fn: Callable, i: int) -> Callable:
-    def run(x, a):
+    def run(x, a, **kw):  # kw: out= for a kernel that writes into its slots (Kernel.out)
         x = list(x)
         x[i] = x[i].clone()
-        return fn(x, a)
+        return fn(x, a, **kw)
     return run
 
 
