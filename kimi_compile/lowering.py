@@ -53,6 +53,15 @@ class Kernel:
     out: bool = False
 
 
+def out_slot(out, i: int, shape, dtype):
+    """out[i], the executor's planned slot for output i (Kernel.out), when a result of this shape and dtype can be
+    written into it as is (contiguous); else None: the kernel allocates and the executor copies."""
+    t = out[i] if out is not None and i < len(out) else None
+    if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
+        return None
+    return t
+
+
 # ---- TensorRT -------------------------------------------------------------------------------------------------
 
 FLAVOURS = ("tensorrt", "tensorrt_rtx")

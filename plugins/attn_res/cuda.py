@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel, warn_fallback_once
+from kimi_compile.lowering import Kernel, out_slot, warn_fallback_once
 
 
 def _inv_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,13 +25,6 @@ def stage1(x, a):
     return o1.to(bank.dtype), m1, e.sum(1)
 
 
-def _slot(out, i: int, shape, dtype) -> torch.Tensor | None:
-    """out[i] when the executor gave a slot this kernel can write (contiguous, this shape and dtype), else None."""
-    t = out[i] if out is not None else None
-    ok = t is not None and tuple(t.shape) == tuple(shape) and t.dtype == dtype and t.is_contiguous()
-    return t if ok else None
-
-
 def merge(x, a, out=None):
     """o1, m1, l1 (stage 1), partial [B,T,D], query [D], norm_weight [D] -> RMSNorm(mix) [B,T,D]; the last
     product is rounded into the executor's slot when it gives one (out)."""
@@ -43,7 +36,7 @@ def merge(x, a, out=None):
     e1, ep = torch.exp(m1[slot] - m), torch.exp(sp - m)
     mix = (o1[slot].float() * e1.unsqueeze(-1) + p * ep.unsqueeze(-1)) / (l1[slot] * e1 + ep).unsqueeze(-1)
     y = mix * _inv_rms(mix, a["norm_eps"]).unsqueeze(-1)
-    dst = _slot(out, 0, partial.shape, partial.dtype)
+    dst = out_slot(out, 0, partial.shape, partial.dtype)
     if dst is None:
         return ((y * norm_w.float()).to(partial.dtype),)
     return (torch.mul(y, norm_w.float(), out=dst),)
@@ -74,7 +67,7 @@ def merge_triton(x, a, out=None):
         warn_fallback_once("kimi.AttnResMerge", why, "torch.attn_res_merge")
         return merge(x, a, out)
     return (tk.attn_res_merge(o1, m1, l1, partial, query, norm_w, int(a["slot"]), a["eps"], a["norm_eps"],
-                              out=_slot(out, 0, partial.shape, partial.dtype)),)
+                              out=out_slot(out, 0, partial.shape, partial.dtype)),)
 
 
 def stage1_triton(x, a, out=None):
@@ -87,8 +80,8 @@ def stage1_triton(x, a, out=None):
         return stage1(x, a)
     K, B, T, D = bank.shape
     L = queries.shape[0]
-    slots = (_slot(out, 0, (L, B, T, D), bank.dtype), _slot(out, 1, (L, B, T), torch.float32),
-             _slot(out, 2, (L, B, T), torch.float32))
+    slots = (out_slot(out, 0, (L, B, T, D), bank.dtype), out_slot(out, 1, (L, B, T), torch.float32),
+             out_slot(out, 2, (L, B, T), torch.float32))
     return tk.attn_res_stage1(bank, queries, a["eps"], out=slots if all(t is not None for t in slots) else None)
 
 

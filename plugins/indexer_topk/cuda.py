@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel, warn_fallback_once
+from kimi_compile.lowering import Kernel, out_slot, warn_fallback_once
 
 MASKED = -1e30
 
@@ -85,9 +85,9 @@ def indexer_topk_triton(x, a, out=None):
         warn_fallback_once("kimi.IndexerTopK", why, "torch.indexer_topk")
         return indexer_topk_torch(x, a)
     shape = (*q.shape[:2], topk)
-    ok = out is not None and all(t is not None and tuple(t.shape) == shape and t.dtype == d and t.is_contiguous()
-                                 for t, d in zip(out, (torch.int64, torch.float32)))
-    return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, topk, out=tuple(out) if ok else None)
+    slots = (out_slot(out, 0, shape, torch.int64), out_slot(out, 1, shape, torch.float32))
+    return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, topk,
+                           out=slots if None not in slots else None)
 
 
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kimi_compile.lowering import Kernel
+from kimi_compile.lowering import Kernel, out_slot
 
 # id of the first part -> (weak references to the parts, their concatenation): made once per weight set (outside any
 # CUDA-graph capture); an entry whose weights died (an id reused by a new tensor) is remade
@@ -54,14 +54,14 @@ def _recurrence(q, k, v, g, beta, state):
     return o
 
 
-def _output_projection(y: torch.Tensor, w_o: torch.Tensor, dst: torch.Tensor | None) -> torch.Tensor:
-    """y [B, T, P] @ w_o [P, N] in y's dtype, computed into dst (the executor's slot for the op's output) when it is
-    a contiguous [B, T, N] tensor of that dtype (the same GEMM on the rows folded, so the same numbers)."""
+def _output_projection(y: torch.Tensor, w_o: torch.Tensor, out) -> torch.Tensor:
+    """y [B, T, P] @ w_o [P, N] in y's dtype, computed into the executor's slot for the op's output (out[0]) where
+    it fits (the same GEMM on the rows folded, so the same numbers)."""
     w = w_o.to(y.dtype)
-    shape = (*y.shape[:-1], w.shape[-1])
-    if dst is None or tuple(dst.shape) != shape or dst.dtype != y.dtype or not dst.is_contiguous():
+    dst = out_slot(out, 0, (*y.shape[:-1], w.shape[-1]), y.dtype)
+    if dst is None:
         return y @ w
-    torch.mm(y.reshape(-1, y.shape[-1]), w, out=dst.view(-1, shape[-1]))
+    torch.mm(y.reshape(-1, y.shape[-1]), w, out=dst.view(-1, w.shape[-1]))
     return dst
 
 
@@ -69,9 +69,8 @@ def kda(x, a, out=None):
     """kimi.KDA; out: the executor's slots (the output's, then None for the two caches updated in place)."""
     (h, conv_state, state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, w_g, A_log, dt_bias,
      o_norm, w_o) = x
-    dst = out[0] if out is not None else None
     if h.is_cuda:
-        res = decode_fused(x, a, dst) if h.shape[1] == 1 else prefill_fused(x, a, dst)
+        res = decode_fused(x, a, out) if h.shape[1] == 1 else prefill_fused(x, a, out)
         if res is not None:
             return res
     q, k, v, g, beta = prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b,
@@ -82,7 +81,7 @@ def kda(x, a, out=None):
     o = _recurrence(q, k, v, g, beta, state).float()
     o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + a["eps"]) * o_norm.float()
     gate = torch.sigmoid((h @ w_g.to(dt)).float().reshape(B, T, H, D))
-    return _output_projection((o * gate).reshape(B, T, P).to(dt), w_o, dst), conv_state, state
+    return _output_projection((o * gate).reshape(B, T, P).to(dt), w_o, out), conv_state, state
 
 
 class _Layer(NamedTuple):
@@ -125,7 +124,7 @@ def _projections(x: _Layer):
             h @ x.w_b.to(dt))
 
 
-def decode_fused(x, a, dst=None):
+def decode_fused(x, a, out=None):
     """One decode token of the layer in nine launches: the six projections (cuBLAS), the Triton pre-kernel (conv
     over the carried window, SiLU, L2 norms, safe gate, beta, padding rows masked; plugins/kda/triton.py
     `kda_decode_prepare`), the Triton decode step and the output norm-and-gate kernel; the torch form issues about
@@ -146,10 +145,10 @@ def decode_fused(x, a, dst=None):
     o = ktk.kda_decode_step(q, k, v, g, beta, x.state, out=torch.empty(B, H, D, dtype=torch.float32,
                                                                          device=x.h.device))
     y = ktk.kda_output_norm_gate(o.view(B, T, H, D), x.h @ x.w_g.to(dt), x.o_norm, a["eps"], out_dtype=dt)
-    return _output_projection(y, x.w_o, dst), x.conv_state, x.state
+    return _output_projection(y, x.w_o, out), x.conv_state, x.state
 
 
-def prefill_fused(x, a, dst=None):
+def prefill_fused(x, a, out=None):
     """T > 1 tokens of the layer: the six projections (cuBLAS), `kda_prefill_prepare` (one Triton launch: the conv
     over the carried window, SiLU, L2 norms, beta, the gate input masked on padding rows, the window advanced in
     place), fla-core's chunk_kda with its in-kernel safe gate (the state updated in place) and the output
@@ -168,7 +167,7 @@ def prefill_fused(x, a, dst=None):
     y = ktk.kda_prefill(u, x.conv_state, cw, f, b, x.lengths, x.A_log.float(), x.dt_bias.float().reshape(H, -1),
                         x.h @ x.w_g.to(dt), x.o_norm, x.state, scale=a["scale"], l2_eps=a["l2_eps"],
                         lower_bound=a["lower_bound"], eps=a["eps"])
-    return _output_projection(y, x.w_o, dst), x.conv_state, x.state
+    return _output_projection(y, x.w_o, out), x.conv_state, x.state
 
 
 def prepare(h, conv_state, lengths, w_q, w_k, w_v, conv_q, conv_k, conv_v, w_f_a, w_f_b, w_b, A_log, dt_bias, a):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel
+from kimi_compile.lowering import Kernel, out_slot
 
 
 def _act(u: torch.Tensor, g: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -128,8 +128,8 @@ def moe(x, a, out=None):
         rn = _norm(rk.reshape(xf.shape[0], k, -1).sum(1), norm_w, a["eps"]).to(dt)
     y = rn @ w_up.t().to(dt)
     shared = _situ(xf @ sh_up.t().to(dt), xf @ sh_gate.t().to(dt), a, dt) @ sh_down.t().to(dt)
-    dst = out[0] if out is not None else None
-    if dst is not None and tuple(dst.shape) == tuple(shape) and dst.dtype == y.dtype and dst.is_contiguous():
+    dst = out_slot(out, 0, shape, y.dtype)
+    if dst is not None:
         torch.add(y, shared, out=dst.view(y.shape))
         return (dst,)
     return ((y + shared).reshape(shape),)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel, warn_fallback_once
+from kimi_compile.lowering import Kernel, out_slot, warn_fallback_once
 
 _F8 = {17: torch.float8_e4m3fn, 19: torch.float8_e5m2}
 _ELEM = {17: "e4m3", 19: "e5m2"}
@@ -98,7 +98,10 @@ def _triton_codes(x, a, op: str, fallback: str, out=None):
         return None
     from kimi_compile.plugins.quant import triton as tk
 
-    return tk.mxfp8_quantize(x[0], a["rounding"], block, out=out)
+    D = x[0].shape[-1]
+    slots = (out_slot(out, 0, x[0].shape, torch.float8_e4m3fn), out_slot(out, 1, (*x[0].shape[:-1], D // block),
+                                                                          torch.uint8))
+    return tk.mxfp8_quantize(x[0], a["rounding"], block, out=slots if None not in slots else None)
 
 
 def quantize_mx_triton(x, a, out=None):
@@ -118,7 +121,7 @@ def qdq_mx_triton(x, a, out=None):
     from kimi_compile.plugins.quant import triton as tk
 
     return (tk.mxfp8_dequantize(qs[0], qs[1], x[0].dtype, int(a.get("block", 32)),
-                                out=out[0] if out is not None else None),)
+                                out=out_slot(out, 0, x[0].shape, x[0].dtype)),)
 
 
 _ANY = ("cuda", "cpu")

@@ -120,40 +120,39 @@ def mxfp8_quantize_to_cache(x: torch.Tensor, slot_mapping: torch.Tensor, codes_c
                                             D=D, BLOCK=block, BR=br, CEIL=rounding == "ceil", PE=0, num_warps=4)
 
 
-def _into(out: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
-    """out as a uint8 / dtype view when it is a contiguous tensor of this shape (float8 codes seen as their bytes),
-    else None (the caller allocates)."""
-    if out is None or tuple(out.shape) != tuple(shape) or not out.is_contiguous():
-        return None
-    if dtype == torch.uint8 and out.dtype == torch.float8_e4m3fn:
-        return out.view(torch.uint8)
-    return out if out.dtype == dtype else None
+def _out(out: torch.Tensor | None, shape: tuple, dtypes: tuple, like: torch.Tensor, name: str) -> torch.Tensor:
+    """out (checked: contiguous, this shape, one of dtypes, like's device), or a new tensor of dtypes[0]."""
+    if out is None:
+        return torch.empty(shape, dtype=dtypes[0], device=like.device)
+    fits = tuple(out.shape) == tuple(shape) and out.dtype in dtypes and out.is_contiguous()
+    _need(fits and out.device == like.device,
+          f"{name} must be a contiguous {' or '.join(map(str, dtypes))} {tuple(shape)} tensor on {like.device}, got "
+          f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
 
 
 def mxfp8_quantize(x: torch.Tensor, rounding: str = "floor", block: int = 32, *,
                    out: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (codes [..., D] uint8, scales [..., D / block] uint8); out: (codes, scales) written in place
-    where each is a contiguous tensor of that shape (codes may be float8_e4m3fn), those very tensors returned."""
+    """x [..., D] -> (codes [..., D] uint8, scales [..., D / block] uint8); out: (codes, scales) to write instead
+    (contiguous; codes uint8 or float8_e4m3fn), those very tensors returned."""
     D = x.shape[-1]
     x2 = x.reshape(-1, D)
     if x2.stride(1) != 1:  # a strided view (a Slice with a step): the kernel reads unit-stride rows
         x2 = x2.contiguous()
     n = x2.shape[0]
     oc, os_ = out if out is not None else (None, None)
-    oc8, os8 = _into(oc, x.shape, torch.uint8), _into(os_, (*x.shape[:-1], D // block), torch.uint8)
-    codes = oc8.view(n, 1, D) if oc8 is not None else torch.empty(n, 1, D, dtype=torch.uint8, device=x.device)
-    scales = os8.view(n, 1, D // block) if os8 is not None else \
-        torch.empty(n, 1, D // block, dtype=torch.uint8, device=x.device)
-    mxfp8_quantize_to_cache(x2, torch.arange(n, device=x.device), codes, scales, rounding, block)
-    return (oc if oc8 is not None else codes.reshape(x.shape),
-            os_ if os8 is not None else scales.reshape(*x.shape[:-1], D // block))
+    codes = _out(oc, x.shape, (torch.uint8, torch.float8_e4m3fn), x, "mxfp8_quantize: out codes")
+    scales = _out(os_, (*x.shape[:-1], D // block), (torch.uint8,), x, "mxfp8_quantize: out scales")
+    mxfp8_quantize_to_cache(x2, torch.arange(n, device=x.device), codes.view(torch.uint8).view(n, 1, D),
+                            scales.view(n, 1, D // block), rounding, block)
+    return codes, scales
 
 
 def mxfp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, block: int = 32, *,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """codes [..., D] (E4M3 bytes: uint8 or float8_e4m3fn) and E8M0 scales [..., D / block] uint8 -> values [..., D]
-    in `dtype`: code * 2^(scale - 127), NaN where the scale byte is 0xFF (kimi.DequantizeMX's semantics); out: written
-    in place (and returned) when it is a contiguous `dtype` tensor of codes' shape."""
+    in `dtype`: code * 2^(scale - 127), NaN where the scale byte is 0xFF (kimi.DequantizeMX's semantics); out: a
+    contiguous `dtype` tensor of codes' shape to write instead (and return)."""
     if triton is None:
         raise RuntimeError("quant Triton kernels need triton and a CUDA GPU")
     D = codes.shape[-1]
@@ -166,12 +165,11 @@ def mxfp8_dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dty
     c = codes.reshape(-1, D).contiguous().view(torch.uint8)
     sc = scales.reshape(-1, D // block).contiguous()
     n = c.shape[0]
-    dst = _into(out, codes.shape, dtype)
-    res = dst.view(n, D) if dst is not None else torch.empty(n, D, dtype=dtype, device=codes.device)
+    res = _out(out, codes.shape, (dtype,), codes, "mxfp8_dequantize: out")
     if n:
         br = 16
-        _mx_dequant_kernel[(triton.cdiv(n, br),)](c, sc, res, n, D=D, BLOCK=block, BR=br, num_warps=4)
-    return dst if dst is not None else res.reshape(codes.shape)
+        _mx_dequant_kernel[(triton.cdiv(n, br),)](c, sc, res.view(n, D), n, D=D, BLOCK=block, BR=br, num_warps=4)
+    return res
 
 
 def mla_fp8_quantize_to_cache(c_kv: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
