@@ -149,24 +149,35 @@ def test_kda_kernel_on_the_gpu_takes_the_fused_decode(monkeypatch):
     assert _rel(got[1].float(), want[1].float()) <= 2 ** -8
 
 
-def test_decode_prepare_refusals_name_the_field():
-    P3, H = 3 * 4 * 32, 4
-    u = torch.zeros(2, 1, P3)
-    ok = {"conv_state": torch.zeros(2, 3, P3), "conv_w": torch.zeros(P3, 4), "f": torch.zeros(2, 1, P3 // 3),
-          "b": torch.zeros(2, 1, H), "lengths": torch.ones(2, dtype=torch.int64), "A_log": torch.zeros(H),
-          "dt_bias": torch.zeros(P3 // 3)}
-    why = ktk.decode_prepare_unsupported(u, **ok)
+def _prepare_refusals(check, T: int, P3: int, H: int, **extra) -> tuple | None:
+    """The refusals both prepare kernels share (`_prepare_unsupported`), for `check` (a *_prepare_unsupported) on
+    [2, T, P3] inputs of H heads; returns (u, the accepted inputs) for the caller's own cases, None where the checks
+    cannot run here (no triton; no GPU and no interpreter: the device refusal is asserted)."""
+    u = torch.zeros(2, T, P3)
+    ok = {"conv_state": torch.zeros(2, 3, P3), "conv_w": torch.zeros(P3, 4), "f": torch.zeros(2, T, P3 // 3),
+          "b": torch.zeros(2, T, H), "lengths": torch.ones(2, dtype=torch.int64), **extra}
+    why = check(u, **ok)
     if ktk.triton is None:
         assert why == "triton is not installed"
-        return
+        return None
     if not INTERPRET:
         assert "CUDA tensor" in why
-        return
+        return None
     assert why is None
+    assert "kernel size 4" in check(u, **{**ok, "conv_w": torch.zeros(P3, 3)})
+    assert "conv_state" in check(u, **{**ok, "conv_state": torch.zeros(2, 2, P3)})
+    assert "lengths" in check(u, **{**ok, "lengths": torch.ones(2)})
+    return u, ok
+
+
+def test_decode_prepare_refusals_name_the_field():
+    P3, H = 3 * 4 * 32, 4
+    checked = _prepare_refusals(ktk.decode_prepare_unsupported, 1, P3, H, A_log=torch.zeros(H),
+                                dt_bias=torch.zeros(P3 // 3))
+    if checked is None:
+        return
+    u, ok = checked
     assert "one decode token" in ktk.decode_prepare_unsupported(torch.zeros(2, 2, P3), **ok)
-    assert "kernel size 4" in ktk.decode_prepare_unsupported(u, **{**ok, "conv_w": torch.zeros(P3, 3)})
-    assert "conv_state" in ktk.decode_prepare_unsupported(u, **{**ok, "conv_state": torch.zeros(2, 2, P3)})
-    assert "lengths" in ktk.decode_prepare_unsupported(u, **{**ok, "lengths": torch.ones(2)})
     assert "power of two" in ktk.decode_prepare_unsupported(torch.zeros(2, 1, 3 * 4 * 24), **{
         **ok, "conv_state": torch.zeros(2, 3, 3 * 4 * 24), "conv_w": torch.zeros(3 * 4 * 24, 4)})
     with pytest.raises(ValueError, match="kernel size 4"):

@@ -24,8 +24,8 @@ from kimi_compile.plugins.kda import triton as ktk
 from tests.plugins.test_kda_decode_fused import (
     ATTRS,
     DEV,
-    INTERPRET,
     _layer,
+    _prepare_refusals,
     _rel,
     _to,
     kernels,
@@ -95,20 +95,10 @@ def test_kda_kernel_on_the_gpu_takes_the_fused_prefill(monkeypatch, dt):
 
 def test_prefill_prepare_refusals_name_the_field():
     P3, H, T = 3 * 4 * 32, 4, 5
-    u = torch.zeros(2, T, P3)
-    ok = {"conv_state": torch.zeros(2, 3, P3), "conv_w": torch.zeros(P3, 4), "f": torch.zeros(2, T, P3 // 3),
-          "b": torch.zeros(2, T, H), "lengths": torch.ones(2, dtype=torch.int64)}
-    why = ktk.prefill_prepare_unsupported(u, **ok)
-    if ktk.triton is None:
-        assert why == "triton is not installed"
+    checked = _prepare_refusals(ktk.prefill_prepare_unsupported, T, P3, H)
+    if checked is None:
         return
-    if not INTERPRET:
-        assert "CUDA tensor" in why
-        return
-    assert why is None
-    assert "kernel size 4" in ktk.prefill_prepare_unsupported(u, **{**ok, "conv_w": torch.zeros(P3, 3)})
-    assert "conv_state" in ktk.prefill_prepare_unsupported(u, **{**ok, "conv_state": torch.zeros(2, 2, P3)})
-    assert "lengths" in ktk.prefill_prepare_unsupported(u, **{**ok, "lengths": torch.ones(2)})
+    u, ok = checked
     assert "f must be" in ktk.prefill_prepare_unsupported(u, **{**ok, "f": torch.zeros(2, T + 1, P3 // 3)})
     assert "power of two" in ktk.prefill_prepare_unsupported(torch.zeros(2, T, 3 * 4 * 24), **{
         **ok, "conv_state": torch.zeros(2, 3, 3 * 4 * 24), "conv_w": torch.zeros(3 * 4 * 24, 4),
