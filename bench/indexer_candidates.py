@@ -73,6 +73,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    try:
+        contexts = [int(c) for c in a.contexts.split(",")]
+    except ValueError:
+        raise SystemExit(f"indexer_candidates: --contexts must be comma-separated token counts, got {a.contexts!r}")
+    if any(c < 1 for c in contexts) or a.batch < 1:
+        raise SystemExit(f"indexer_candidates: --contexts and --batch must be positive, got {a.contexts!r}, {a.batch}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("indexer_candidates: without a GPU set TRITON_INTERPRET=1 (the candidate kernel runs in "
@@ -81,7 +87,7 @@ def main() -> None:
     calls = _capture()
     sess = load(a.artifact)
     rows = []
-    for ctx in (int(c) for c in a.contexts.split(",")):
+    for ctx in contexts:
         cache = sess.new_cache(a.batch)
         fill_caches(sess, cache, ctx, torch.Generator(device=dev).manual_seed(0))
         calls.clear()
