@@ -12,6 +12,8 @@ Like against like, every row says its launch mode:
            sparse MLA the selected 2048 rows); ours with CUDA graphs ("graph") and without ("eager program"), the
            reference's `forward_step` eagerly ("eager") and under torch.compile ("compile", mode in the row);
   ttft     prompt of N random tokens to its first token (chunked prefill of export.prefill_chunk tokens per step);
+           first_ms is the process's first prompt (kernels compiled, or installed from the artifact's kernel cache
+           after `kimi-compile warm`: the row's kernel_cache and triton_cache_dir say which), warm_ms the second;
   accuracy the bf16 + quantized artifact against the fp32 reference on fixed prompts: teacher-forced top-1 agreement
            and logits relative error over --accuracy-steps greedy steps of the reference;
   memory   torch.cuda.max_memory_allocated per case;
@@ -160,7 +162,9 @@ def ours_ttft(art: str, n: int, graphs: bool = True) -> dict:
     last = sess.prefill_last([prompt], cache2)
     int(last.argmax(-1)[0])
     ms2 = (time.perf_counter() - t0) * 1e3
-    return {"first_ms": ms, "warm_ms": ms2, "peak_gib": peak_gib()}
+    kc = {k: v for k, v in sess.backend.kernel_cache.items() if k != "skipped"}
+    return {"first_ms": ms, "warm_ms": ms2, "peak_gib": peak_gib(), "kernel_cache": kc,
+            "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}
 
 
 # ---- the PyTorch reference --------------------------------------------------------------------------------------

@@ -186,6 +186,41 @@ def run(artifact, texts, chat, prompt_ids, max_new_tokens, temperature, seed, pr
             click.echo(f"{','.join(map(str, p))} -> {','.join(map(str, o))}")
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(file_okay=False))
+@click.option("--prompt-tokens", type=click.IntRange(min=2), default=None,
+              help="Prefill prompt length [default: two export.prefill_chunk chunks and 5 tokens].")
+@click.option("--batch", "batches", default="", metavar="B,...",
+              help="Decode batch sizes to run [default: every batch bucket up to export.max_batch].")
+@click.option("--json", "as_json", is_flag=True, help="Print the kernel index's summary as JSON.")
+def warm(artifact, prompt_tokens, batches, as_json):
+    """Compile ARTIFACT's GPU kernels ahead of time (cuda artifacts, on a GPU): run it once here (prefill chunks,
+    a decode step per batch bucket) and store Triton's compiled kernels and autotuning results in ARTIFACT/kernels/,
+    which the runtime installs on load, so that a fresh machine's first prompt does not compile them. Warm on each
+    GPU type you serve on; a later warm adds to the earlier ones."""
+    from kimi_compile.backends.cuda.kernel_cache import KernelCacheError
+    from kimi_compile.backends.cuda.kernel_cache import warm as warm_artifact
+
+    try:
+        bs = [int(x) for x in batches.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated batch sizes, got {batches!r}", param_hint="--batch") \
+            from None
+    try:
+        index = warm_artifact(artifact, prompt_tokens=prompt_tokens, batches=bs or None,
+                              progress=lambda m: None if as_json else click.echo(m, err=True))
+    except KernelCacheError as e:
+        raise click.ClickException(str(e)) from None
+    summary = {"artifact": artifact, "entries": index["entries"], "files": len(index["files"]),
+               "bytes": index["bytes"], "triton": index["triton"],
+               "devices": sorted({w["device"]["name"] for w in index["warms"]})}
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        click.echo(f"{artifact}: {summary['entries']} kernel cache entries, {summary['bytes'] / 2**20:.1f} MiB "
+                   f"(Triton {summary['triton']}; warmed on {', '.join(summary['devices'])})")
+
+
 def _op_diff(a: dict, b: dict) -> dict:
     """Per phase: ops whose count differs between two artifacts (b minus a); phases without a difference left out."""
     out = {}

@@ -112,3 +112,51 @@ def test_stream_plan_replay_is_bit_identical_to_one_stream(tmp_path):
         assert spec.graph is not None, spec.capture_error
         assert spec.multi_stream == streams
     assert torch.equal(outs[True], outs[False])
+
+
+_FRESH_RUN = """
+import json, os, sys
+from kimi_compile.runtime import load
+sess = load(sys.argv[1])
+out = sess.generate(json.loads(sys.argv[2]), 6, stop_at_eos=False)
+print(json.dumps({"kernel_cache": sess.backend.kernel_cache, "tokens": out}))
+"""
+
+
+def test_warmed_artifact_runs_without_compiling_on_a_fresh_cache(tiny_pair, tmp_path):
+    """`kimi-compile warm` (its own process, as a user runs it) packs the kernels into the artifact; a process with an
+    empty Triton cache then gets them installed, compiles nothing (no cache entry appears that the artifact did not
+    ship) and gives the tokens of a process that compiled its own."""
+    import shutil
+    import subprocess
+    import sys
+
+    _, cuda_dir = tiny_pair
+    art = tmp_path / "art"
+    shutil.copytree(cuda_dir, art)
+    P = [p[:5] for p in PROMPTS]
+
+    def fresh(name: str, env_extra: dict | None = None):
+        cache = tmp_path / name
+        cache.mkdir()
+        env = {**os.environ, "TRITON_CACHE_DIR": str(cache), **(env_extra or {})}
+        r = subprocess.run([sys.executable, "-c", _FRESH_RUN, str(art), json.dumps(P)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1]), {p.name for p in cache.iterdir() if p.is_dir()}
+
+    cold, cold_entries = fresh("cold")
+    assert cold["kernel_cache"]["status"] == "none" and cold_entries  # nothing shipped: it compiled
+    r = subprocess.run([sys.executable, "-m", "kimi_compile", "warm", str(art), "--batch", "1,4", "--json",
+                        "--prompt-tokens", "40"], env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "unused")},
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    index = json.loads((art / "kernels" / "index.json").read_text())
+    shipped = {rel.split("/")[0] for rel in index["files"]}
+    assert summary["entries"] == len(shipped) >= len(cold_entries) // 2
+    warm, warm_entries = fresh("warm")
+    kc = warm["kernel_cache"]
+    assert kc["status"] == "installed" and kc["copied"] == kc["files"] > 0 and not kc["skipped"], kc
+    assert warm_entries <= shipped, sorted(warm_entries - shipped)  # nothing compiled in this process
+    assert warm["tokens"] == cold["tokens"]

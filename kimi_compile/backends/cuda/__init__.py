@@ -125,9 +125,11 @@ class Executor:
     device tensors from `zeros()`; the graphs update them in place (the `<cache>.out` outputs are those tensors)."""
 
     def __init__(self, artifact_dir: Path, manifest: dict, device: str | None = None, plan: bool = True,
-                 graphs: bool | None = None, rank: int | None = None):
+                 graphs: bool | None = None, rank: int | None = None, kernel_cache: bool = True):
         """`rank`: which rank's graphs a partitioned artifact runs here (manifest `parallel`; the ranks run together,
-        each in its own process, over torch.distributed: backends/cuda/distributed.py)."""
+        each in its own process, over torch.distributed: backends/cuda/distributed.py). `kernel_cache`: on a GPU,
+        install the kernels the artifact ships (`kimi-compile warm`; kernel_cache.py) into Triton's cache first;
+        what it did is in `self.kernel_cache`."""
         import torch
 
         self.torch = torch
@@ -150,6 +152,9 @@ class Executor:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         self._programs: dict[str, Any] = {}
+        self.kernel_cache = {"status": "off"}
+        if kernel_cache and self.device.type == "cuda":
+            self.kernel_cache = _install_kernels(self.dir)
 
     @property
     def static_shapes(self) -> bool:
@@ -215,6 +220,22 @@ class Executor:
         from kimi_compile.backends.cuda.program import to_numpy
 
         return to_numpy(x) if isinstance(x, self.torch.Tensor) else np.asarray(x)
+
+
+def _install_kernels(artifact_dir: Path) -> dict:
+    """The artifact's compiled kernels into Triton's cache; a broken kernel cache only costs compile time, so it
+    warns (naming the file) and the kernels compile on first use."""
+    import logging
+
+    from kimi_compile.backends.cuda.kernel_cache import KernelCacheError, install_for_triton
+
+    try:
+        return install_for_triton(artifact_dir)
+    except ImportError as e:  # torch without triton: the program's kernels fall back to their torch forms
+        return {"status": "no triton", "error": str(e)}
+    except (KernelCacheError, OSError) as e:
+        logging.getLogger(__name__).warning("kernel cache not installed: %s", e)
+        return {"status": "error", "error": str(e)}
 
 
 def load(artifact_dir: Path, manifest: dict, threads: int | None = None, device: str | None = None, **kw) -> Executor:
