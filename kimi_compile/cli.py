@@ -189,7 +189,7 @@ def run(artifact, texts, chat, prompt_ids, max_new_tokens, temperature, seed, pr
 @main.command()
 @click.argument("artifact", type=click.Path(file_okay=False))
 @click.option("--prompt-tokens", type=click.IntRange(min=2), default=None,
-              help="Prefill prompt length [default: two export.prefill_chunk chunks and 5 tokens].")
+              help="Prefill prompt length [default: export.max_seq_len - 2: every context length a chunk can see].")
 @click.option("--batch", "batches", default="", metavar="B,...",
               help="Decode batch sizes to run [default: every batch bucket up to export.max_batch].")
 @click.option("--json", "as_json", is_flag=True, help="Print the kernel index's summary as JSON.")

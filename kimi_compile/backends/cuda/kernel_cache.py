@@ -176,9 +176,10 @@ def install_for_triton(artifact_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def warm(artifact_dir: str | os.PathLike[str], prompt_tokens: int | None = None,
          batches: list[int] | None = None, progress=None) -> dict[str, Any]:
     """Run ARTIFACT once on this GPU so that every kernel it launches compiles (and autotunes), then pack Triton's
-    cache into the artifact. Prefill: one prompt of `prompt_tokens` (default two chunks and 5 tokens: a first
-    chunk, one after it, a short tail). Decode: two steps at each of `batches` (default every batch bucket up to
-    export.max_batch), graphs as the recipe sets them. Must run in a process that has not launched Triton kernels
+    cache into the artifact. Prefill: one prompt of `prompt_tokens` (default export.max_seq_len less two decode
+    steps: a first chunk, chunks at every context length the artifact can hold, which is what kernels sized by the
+    context see, and a tail shorter than a chunk). Decode: two steps at each of `batches` (default every batch
+    bucket up to export.max_batch), graphs as the recipe sets them. Must run in a process that has not launched Triton kernels
     before (their compiled forms would not reach the new cache). Returns the index."""
     import platform
     import time
@@ -204,8 +205,7 @@ def warm(artifact_dir: str | os.PathLike[str], prompt_tokens: int | None = None,
         raise KernelCacheError(f"warm: {root} is partitioned for {manifest['parallel']['world']} ranks; warm the "
                                "single-GPU artifact (every rank runs the same kernels)")
     rt = manifest["runtime"]
-    chunk = int(rt.get("prefill_chunk") or 4096)
-    n = prompt_tokens if prompt_tokens is not None else 2 * chunk + 5
+    n = prompt_tokens if prompt_tokens is not None else int(rt["max_seq_len"]) - 2
     if n < 2 or n + 2 > int(rt["max_seq_len"]):
         raise KernelCacheError(f"warm: --prompt-tokens {n} must be in 2..{int(rt['max_seq_len']) - 2} (the "
                                "artifact's export.max_seq_len less two decode steps)")
