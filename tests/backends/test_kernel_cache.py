@@ -9,6 +9,19 @@ import json
 import pytest
 
 from kimi_compile.backends.cuda import kernel_cache as kc
+from kimi_compile.build import build
+from kimi_compile.recipe import with_overrides
+
+
+@pytest.fixture(scope="module")
+def k31_cuda(tiny_build, tmp_path_factory):
+    """kimi-k3.1-tiny on the cuda backend (the session's tiny build, its cache warm)."""
+    from tests.backends.test_cuda import _cache_copy
+
+    recipe = tiny_build[0]
+    tmp = tmp_path_factory.mktemp("kc_k31")
+    return build(with_overrides(recipe, backend="cuda", target="cuda"), tmp / "cuda",
+                 cache=_cache_copy(tiny_build, tmp / "cache")).artifact
 
 
 def _triton_cache(root, entries: dict[str, dict[str, bytes]]):
@@ -85,13 +98,29 @@ def test_no_kernels_and_bad_index(tmp_path):
         kc.install(art, tmp_path / "user", "3.6.0")
 
 
-def test_warm_refuses_without_a_gpu(tmp_path):
+def test_warm_refuses_by_name(tmp_path, k31_cuda):
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(kc.KernelCacheError, match="needs a CUDA GPU"):
-        kc.warm(tmp_path)
+    with pytest.raises(kc.KernelCacheError, match=r"--prompt-tokens 1 must be in 2\.\.\d+"):
+        kc.warm(k31_cuda, prompt_tokens=1)
+    with pytest.raises(kc.KernelCacheError, match=r"--batch \[0, 999\] outside 1\.\.\d+ \(export.max_batch\)"):
+        kc.warm(k31_cuda, batches=[1, 0, 999])
+    if not torch.cuda.is_available():
+        with pytest.raises(kc.KernelCacheError, match="needs a CUDA GPU"):
+            kc.warm(k31_cuda)
+
+
+def test_exercise_runs_every_kind_of_step_on_cpu_tensors(k31_cuda):
+    """warm's run, on the CPU executor (same program; on a GPU it also compiles): the long prompt in chunks, then a
+    prefill and two decode steps per batch."""
+    from kimi_compile.runtime import load
+
+    sess = load(k31_cuda)
+    n = sess.max_seq_len - 2
+    said = []
+    ran = kc.exercise(sess, n, [1, 3], said.append)
+    assert [(r["prefill"], r["decode"]) for r in ran] == [([1, n], 1), ([1, 3], 1), ([3, 3], 3)]
+    assert len(said) == 3 and said[0].startswith(f"prefill of {n} tokens")
 
 
 def test_executor_on_cpu_installs_nothing(tmp_path):
