@@ -225,8 +225,8 @@ def warm(artifact_dir: str | os.PathLike[str], prompt_tokens: int | None = None,
     knobs.cache.dir = str(tmp)
     try:
         ran = exercise(Session(ex, rt, manifest=manifest), n, bs, progress or (lambda *_: None))
-        record = {"device": {"name": torch.cuda.get_device_name(), "capability":
-                             "sm%d%d" % torch.cuda.get_device_capability()},
+        major, minor = torch.cuda.get_device_capability()
+        record = {"device": {"name": torch.cuda.get_device_name(), "capability": f"sm{major}{minor}"},
                   "versions": {"triton": triton.__version__, "torch": torch.__version__,
                                "python": platform.python_version()},
                   "ran": ran}
