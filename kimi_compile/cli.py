@@ -211,9 +211,7 @@ def warm(artifact, prompt_tokens, batches, as_json):
                               progress=lambda m: None if as_json else click.echo(m, err=True))
     except KernelCacheError as e:
         raise click.ClickException(str(e)) from None
-    summary = {"artifact": artifact, "entries": index["entries"], "files": len(index["files"]),
-               "bytes": index["bytes"], "triton": index["triton"],
-               "devices": sorted({w["device"]["name"] for w in index["warms"]})}
+    summary = {"artifact": artifact, **_kernel_cache_summary(artifact), "files": len(index["files"])}
     if as_json:
         click.echo(json.dumps(summary))
     else:
@@ -268,6 +266,7 @@ def inspect(artifact, as_json, diff_against):
                                         for r in g["stream_plan"].get("layers", [])]}
                          for p, g in m["graphs"].items() if isinstance(g.get("stream_plan"), dict)},
     }
+    info["kernel_cache"] = _kernel_cache_summary(artifact)
     if diff_against:
         info["diff"] = {"against": str(diff_against), "ops": _op_diff(load_manifest(diff_against), m)}
     if as_json:
@@ -324,6 +323,24 @@ def inspect(artifact, as_json, diff_against):
                   str(r["bytes_per_token"]), str(r["bytes_per_sequence"]))
     c.print(t)
     c.print(f"precision plan: {info['precision_plan'] or 'fp32 everywhere (no rules)'}")
+    kc = info["kernel_cache"]
+    if kc is not None:
+        c.print(f"kernel cache: {kc['entries']} entries, {kc['bytes'] / 2**20:.1f} MiB, Triton {kc['triton']}, "
+                f"warmed on {', '.join(kc['devices'])} (kimi-compile warm)", highlight=False)
+
+
+def _kernel_cache_summary(artifact) -> dict | None:
+    """The kernels `kimi-compile warm` stored in the artifact (None: none), or the reason its index is unreadable."""
+    from kimi_compile.backends.cuda.kernel_cache import KernelCacheError, read_index
+
+    try:
+        index = read_index(artifact)
+    except KernelCacheError as e:
+        return {"entries": 0, "bytes": 0, "triton": None, "devices": [], "error": str(e)}
+    if index is None:
+        return None
+    return {"entries": index["entries"], "bytes": index["bytes"], "triton": index["triton"],
+            "devices": sorted({w["device"]["name"] for w in index["warms"]})}
 
 
 @main.command("plan")

@@ -128,3 +128,23 @@ def test_executor_on_cpu_installs_nothing(tmp_path):
 
     ex = Executor(tmp_path, {"recipe": {}}, device="cpu")
     assert ex.kernel_cache == {"status": "off"}
+
+
+def test_inspect_shows_the_kernel_cache(k31_cuda, tmp_path):
+    import shutil
+
+    from click.testing import CliRunner
+
+    from kimi_compile.cli import main
+
+    art = tmp_path / "art"
+    shutil.copytree(k31_cuda, art)
+    r = CliRunner().invoke(main, ["inspect", str(art), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["kernel_cache"] is None
+    kc.pack(_triton_cache(tmp_path / "w", {"AAA": {"a": b"12345"}}), art, _record())
+    r = CliRunner().invoke(main, ["inspect", str(art), "--json"])
+    assert json.loads(r.output)["kernel_cache"] == {"entries": 1, "bytes": 5, "triton": "3.6.0",
+                                                    "devices": ["NVIDIA H200"]}
+    r = CliRunner().invoke(main, ["inspect", str(art)])
+    assert r.exit_code == 0 and "kernel cache: 1 entries" in r.output and "NVIDIA H200" in r.output
