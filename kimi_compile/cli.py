@@ -199,7 +199,7 @@ def warm(artifact, prompt_tokens, batches, as_json):
     which the runtime installs on load, so that a fresh machine's first prompt does not compile them. Warm on each
     GPU type you serve on; a later warm adds to the earlier ones."""
     from kimi_compile.backends.cuda.kernel_cache import KernelCacheError
-    from kimi_compile.backends.cuda.kernel_cache import warm as warm_artifact
+    from kimi_compile.warm import warm as warm_artifact
 
     try:
         bs = [int(x) for x in batches.split(",") if x.strip()]

@@ -118,15 +118,16 @@ _FRESH_RUN = """
 import json, os, sys
 from kimi_compile.runtime import load
 sess = load(sys.argv[1])
-out = sess.generate(json.loads(sys.argv[2]), 6, stop_at_eos=False)
+out = [sess.generate(batch, 6, stop_at_eos=False) for batch in json.loads(sys.argv[2])]
 print(json.dumps({"kernel_cache": sess.backend.kernel_cache, "tokens": out}))
 """
 
 
 def test_warmed_artifact_runs_without_compiling_on_a_fresh_cache(tmp_path):
     """`kimi-compile warm` (its own process, as a user runs it) packs the kernels into the artifact; a process with an
-    empty Triton cache then gets them installed, compiles nothing (no cache entry appears that the artifact did not
-    ship) and gives the tokens of a process that compiled its own."""
+    empty Triton cache then gets them installed and, serving shapes warm covers (one prompt of a length in a warmed
+    class; a batch of 3-token prompts, decode at their bucket), compiles nothing (no cache entry appears that the
+    artifact did not ship) and gives the tokens of a process that compiled its own."""
     import shutil
     import subprocess
     import sys
@@ -137,7 +138,7 @@ def test_warmed_artifact_runs_without_compiling_on_a_fresh_cache(tmp_path):
     else:
         recipe = load_recipe(os.path.join(ROOT, "recipes", "kimi-k3.1-tiny-cuda.yaml"))
         build(recipe, art, cache=CompileCache(root=tmp_path / "cache"))
-    P = [p[:5] for p in PROMPTS]
+    P = [[PROMPTS[0][:13]], [p[:3] for p in PROMPTS]]
 
     def fresh(name: str, env_extra: dict | None = None):
         cache = tmp_path / name

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from kimi_compile import warm
 from kimi_compile.backends.cuda import kernel_cache as kc
 from kimi_compile.build import build
 from kimi_compile.recipe import with_overrides
@@ -102,12 +103,12 @@ def test_warm_refuses_by_name(tmp_path, k31_cuda):
     import torch
 
     with pytest.raises(kc.KernelCacheError, match=r"--prompt-tokens 1 must be in 2\.\.\d+"):
-        kc.warm(k31_cuda, prompt_tokens=1)
+        warm.warm(k31_cuda, prompt_tokens=1)
     with pytest.raises(kc.KernelCacheError, match=r"--batch \[0, 999\] outside 1\.\.\d+ \(export.max_batch\)"):
-        kc.warm(k31_cuda, batches=[1, 0, 999])
+        warm.warm(k31_cuda, batches=[1, 0, 999])
     if not torch.cuda.is_available():
         with pytest.raises(kc.KernelCacheError, match="needs a CUDA GPU"):
-            kc.warm(k31_cuda)
+            warm.warm(k31_cuda)
 
 
 def test_exercise_runs_every_kind_of_step_on_cpu_tensors(k31_cuda):
@@ -118,9 +119,23 @@ def test_exercise_runs_every_kind_of_step_on_cpu_tensors(k31_cuda):
     sess = load(k31_cuda)
     n = sess.max_seq_len - 2
     said = []
-    ran = kc.exercise(sess, n, [1, 3], said.append)
-    assert [(r["prefill"], r["decode"]) for r in ran] == [([1, n], 1), ([1, 3], 1), ([3, 3], 3)]
-    assert len(said) == 3 and said[0].startswith(f"prefill of {n} tokens")
+    ran = warm.exercise(sess, n, [1, 3], said.append)
+    chunk = int(sess.runtime["prefill_chunk"])
+    assert ran[1]["prefill_lengths"] == warm.prefill_lengths(chunk)
+    assert [(r["prefill"], r["decode"]) for i, r in enumerate(ran) if i != 1] == [([1, n], 1), ([1, 3], 1),
+                                                                                    ([3, 3], 3)]
+    assert len(said) == 4 and said[0].startswith(f"prefill of {n} tokens")
+
+
+def test_prefill_lengths_meet_every_power_of_two_class():
+    assert warm.prefill_lengths(64) == [2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64]
+    assert warm.prefill_lengths(100) == [2, 3, 4, 7, 8, 15, 16, 31, 32, 63, 64, 100]
+    for chunk in (64, 100, 4096):
+        got = set(warm.prefill_lengths(chunk))
+        for t in range(2, chunk + 1):  # the class of every length a chunk can have: next power of two, 16 | t
+            p = 1 << (t - 1).bit_length()
+            assert any((1 << (u - 1).bit_length()) == p and (u % 16 == 0) == (t % 16 == 0) for u in got) or \
+                t > (1 << (chunk.bit_length() - 1)), t
 
 
 def test_executor_on_cpu_installs_nothing(tmp_path):

@@ -1,10 +1,10 @@
 """Kernels compiled ahead of time and shipped inside the artifact (docs/cuda_backend.md, "Kernel cache").
 
 A fresh machine's first prompt would otherwise compile every Triton / Gluon kernel the program launches and run fla's
-autotuning (68 s for a 32K prompt on an H100 in e2e_gpu_2026-12-06_h100_r8.json; 0.42 s once warm). `warm` runs the
-artifact once on a GPU (prefill chunks of every kind, a decode step at every batch bucket) with Triton's cache pointed
-at an empty folder, and packs that folder into the artifact as `kernels/triton/` with `kernels/index.json`: every
-file's sha256 and size, the Triton and torch versions and the devices that warmed it. A later `warm` on another GPU
+autotuning (68-97 s for a 32K prompt on an H100; 0.42 s once warm). `kimi-compile warm` (kimi_compile/warm.py) runs
+the artifact once on a GPU (prefill chunks of every kind, a decode step at every batch bucket) with Triton's cache
+pointed at an empty folder; `pack` stores that folder in the artifact as `kernels/triton/` with `kernels/index.json`:
+every file's sha256 and size, the Triton and torch versions and the devices that warmed it. A later `warm` on another GPU
 adds its entries (its own win on a conflict, such as another card's autotuning of the same architecture).
 
 On load (cuda executor on a GPU), `install` copies the artifact's entries that Triton's cache lacks into it (file by
@@ -171,104 +171,3 @@ def install_for_triton(artifact_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if knobs.cache.manager_class is not None and knobs.cache.manager_class.__name__ != "FileCacheManager":
         return {"status": "custom", "files": 0, "copied": 0, "present": 0, "skipped": []}
     return install(artifact_dir, knobs.cache.dir, triton.__version__)
-
-
-def warm(artifact_dir: str | os.PathLike[str], prompt_tokens: int | None = None,
-         batches: list[int] | None = None, progress=None) -> dict[str, Any]:
-    """Run ARTIFACT once on this GPU so that every kernel it launches compiles (and autotunes), then pack Triton's
-    cache into the artifact (`exercise` says what runs). Prompt: `prompt_tokens` (default export.max_seq_len less
-    two decode steps: a first chunk, chunks at every context length the artifact holds, which is what kernels sized
-    by the context see, and a tail shorter than a chunk); `batches` default: every batch bucket up to
-    export.max_batch. Run it in a process that has not launched Triton kernels before (kernels compiled earlier in
-    the process would not reach the new cache). Returns the index."""
-    import platform
-
-    from kimi_compile.artifact import load_manifest
-    from kimi_compile.backends.cuda import options
-
-    root = Path(artifact_dir)
-    manifest = load_manifest(root)
-    backend = (manifest.get("backend") or {}).get("name")
-    if backend != "cuda":
-        raise KernelCacheError(f"warm: {root} is built for the {backend!r} backend; only cuda artifacts carry "
-                               "compiled kernels")
-    if int((manifest.get("parallel") or {}).get("world", 1)) > 1:
-        raise KernelCacheError(f"warm: {root} is partitioned for {manifest['parallel']['world']} ranks; warm the "
-                               "single-GPU artifact (every rank runs the same kernels)")
-    rt = manifest["runtime"]
-    limit = int(rt["max_seq_len"]) - 2
-    n = prompt_tokens if prompt_tokens is not None else limit
-    if not 2 <= n <= limit:
-        raise KernelCacheError(f"warm: --prompt-tokens {n} must be in 2..{limit} (the artifact's export.max_seq_len "
-                               "less two decode steps)")
-    opts = options(manifest.get("recipe", {}).get("backend", {}).get("options"), str(root))
-    max_batch = int(rt.get("max_batch") or max(opts.batch_buckets))
-    bs = batches or ([b for b in opts.batch_buckets if b <= max_batch] if opts.graphs else [1])
-    bad = [b for b in bs if not 1 <= b <= max_batch]
-    if bad:
-        raise KernelCacheError(f"warm: --batch {bad} outside 1..{max_batch} (export.max_batch)")
-
-    import torch
-
-    if not torch.cuda.is_available():
-        raise KernelCacheError("warm: needs a CUDA GPU (it compiles the kernels for the GPU it runs on); this "
-                               "machine has none")
-    import triton
-    from triton import knobs
-
-    from kimi_compile.backends.cuda import Executor
-    from kimi_compile.runtime.session import Session
-
-    ex = Executor(root, manifest, device="cuda", kernel_cache=False)
-    old_dir = knobs.cache.dir
-    tmp = Path(tempfile.mkdtemp(prefix="kimi-kernels-warm-"))
-    knobs.cache.dir = str(tmp)
-    try:
-        ran = exercise(Session(ex, rt, manifest=manifest), n, bs, progress or (lambda *_: None))
-        major, minor = torch.cuda.get_device_capability()
-        record = {"device": {"name": torch.cuda.get_device_name(), "capability": f"sm{major}{minor}"},
-                  "versions": {"triton": triton.__version__, "torch": torch.__version__,
-                               "python": platform.python_version()},
-                  "ran": ran}
-        return pack(tmp, root, record)
-    finally:
-        knobs.cache.dir = old_dir
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def exercise(sess, prompt_tokens: int, batches: list[int], say=lambda *_: None) -> list[dict]:
-    """What `warm` runs on a session: one prompt of `prompt_tokens` prefilled in the artifact's chunks and two decode
-    steps after it, then at each batch in `batches` a 3-token prefill and two decode steps (the first decode at a
-    bucket runs eagerly, the second captures its graph). Returns what ran, in order."""
-    import time
-
-    import numpy as np
-
-    torch = getattr(sess.backend, "torch", None)
-    sync = torch.cuda.synchronize if torch is not None and sess.backend.device.type == "cuda" else (lambda: None)
-    rng = np.random.default_rng(0)
-    ran: list[dict] = []
-    t0 = time.perf_counter()
-    cache = sess.new_cache(1)
-    last = sess.prefill_last([rng.integers(3, sess.vocab_size, prompt_tokens).tolist()], cache)
-    tok = [int(last.argmax(-1)[0])]
-    for _ in range(2):
-        tok = [int(x) for x in sess._decode(tok, cache).argmax(-1).tolist()]
-    sync()
-    ran.append({"prefill": [1, prompt_tokens], "decode": 1, "seconds": round(time.perf_counter() - t0, 2)})
-    say(f"prefill of {prompt_tokens} tokens, decode B=1: {ran[-1]['seconds']} s")
-    del cache
-    for b in batches:
-        t0 = time.perf_counter()
-        cache = sess.new_cache(b)
-        sess.prefill(rng.integers(3, sess.vocab_size, (b, 3)).tolist(), cache)
-        toks = [int(x) for x in rng.integers(3, sess.vocab_size, b)]
-        for _ in range(2):
-            toks = [int(x) for x in sess._decode(toks, cache).argmax(-1).tolist()]
-        sync()
-        del cache
-        if torch is not None and sess.backend.device.type == "cuda":
-            torch.cuda.empty_cache()
-        ran.append({"prefill": [b, 3], "decode": b, "seconds": round(time.perf_counter() - t0, 2)})
-        say(f"prefill of 3 tokens and decode at B={b}: {ran[-1]['seconds']} s")
-    return ran
