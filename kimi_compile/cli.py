@@ -324,7 +324,9 @@ def inspect(artifact, as_json, diff_against):
     c.print(t)
     c.print(f"precision plan: {info['precision_plan'] or 'fp32 everywhere (no rules)'}")
     kc = info["kernel_cache"]
-    if kc is not None:
+    if kc is not None and "error" in kc:
+        c.print(f"kernel cache: unreadable ({kc['error']})", highlight=False)
+    elif kc is not None:
         c.print(f"kernel cache: {kc['entries']} entries, {kc['bytes'] / 2**20:.1f} MiB, Triton {kc['triton']}, "
                 f"warmed on {', '.join(kc['devices'])} (kimi-compile warm)", highlight=False)
 
@@ -335,12 +337,14 @@ def _kernel_cache_summary(artifact) -> dict | None:
 
     try:
         index = read_index(artifact)
-    except KernelCacheError as e:
+    except (KernelCacheError, OSError) as e:
         return {"entries": 0, "bytes": 0, "triton": None, "devices": [], "error": str(e)}
     if index is None:
         return None
-    return {"entries": index["entries"], "bytes": index["bytes"], "triton": index["triton"],
-            "devices": sorted({w["device"]["name"] for w in index["warms"]})}
+    warms = index.get("warms") if isinstance(index.get("warms"), list) else []
+    return {"entries": len({rel.split("/")[0] for rel in index["files"]}),
+            "bytes": sum(i["bytes"] for i in index["files"].values()), "triton": index.get("triton"),
+            "devices": sorted({str((w.get("device") or {}).get("name")) for w in warms if isinstance(w, dict)})}
 
 
 @main.command("plan")

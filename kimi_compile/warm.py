@@ -81,7 +81,8 @@ def warm(artifact_dir: str | os.PathLike[str], prompt_tokens: int | None = None,
 def prefill_lengths(chunk: int) -> list[int]:
     """The single-prompt prefill lengths `exercise` runs: p - 1 and p for every power of two p up to the chunk (and
     the chunk). Kernels specialize on a length's power-of-two class (block counts, MoE layout tiles) and Triton on
-    integers being 1 or a multiple of 16, so these meet every class a prompt's chunks fall in."""
+    integers being 1 or a multiple of 16, so these meet every class a prompt's chunks fall in when the chunk is a power
+    of two (otherwise lengths between the largest power of two and the chunk meet only the chunk's own class)."""
     out, p = [], 2
     while p <= chunk:
         out += [t for t in (p - 1, p) if t >= 2]

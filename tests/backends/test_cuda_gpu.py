@@ -116,18 +116,22 @@ def test_stream_plan_replay_is_bit_identical_to_one_stream(tmp_path):
 
 _FRESH_RUN = """
 import json, os, sys
+from triton import knobs
 from kimi_compile.runtime import load
+compiled, hits = [], []
+knobs.compilation.listener = lambda **kw: (hits if kw["cache_hit"] else compiled).append(kw["src"].name)
 sess = load(sys.argv[1])
 out = [sess.generate(batch, 6, stop_at_eos=False) for batch in json.loads(sys.argv[2])]
-print(json.dumps({"kernel_cache": sess.backend.kernel_cache, "tokens": out}))
+print(json.dumps({"kernel_cache": sess.backend.kernel_cache, "tokens": out, "compiled": compiled, "hits": hits}))
 """
 
 
 def test_warmed_artifact_runs_without_compiling_on_a_fresh_cache(tmp_path):
     """`kimi-compile warm` (its own process, as a user runs it) packs the kernels into the artifact; a process with an
     empty Triton cache then gets them installed and, serving shapes warm covers (one prompt of a length in a warmed
-    class; a batch of 3-token prompts, decode at their bucket), compiles nothing (no cache entry appears that the
-    artifact did not ship) and gives the tokens of a process that compiled its own."""
+    class; a batch of 3-token prompts, decode at their bucket), compiles nothing (Triton's compilation listener sees
+    only cache hits, and no cache entry appears that the artifact did not ship) and gives the tokens of a process
+    that compiled its own."""
     import shutil
     import subprocess
     import sys
@@ -150,7 +154,7 @@ def test_warmed_artifact_runs_without_compiling_on_a_fresh_cache(tmp_path):
         return json.loads(r.stdout.strip().splitlines()[-1]), {p.name for p in cache.iterdir() if p.is_dir()}
 
     cold, cold_entries = fresh("cold")
-    assert cold["kernel_cache"]["status"] == "none" and cold_entries  # nothing shipped: it compiled
+    assert cold["kernel_cache"]["status"] == "none" and cold_entries and cold["compiled"]  # nothing shipped
     r = subprocess.run([sys.executable, "-m", "kimi_compile", "warm", str(art), "--batch", "1,4", "--json",
                         "--prompt-tokens", "40"], env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "unused")},
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -162,5 +166,6 @@ def test_warmed_artifact_runs_without_compiling_on_a_fresh_cache(tmp_path):
     warm, warm_entries = fresh("warm")
     kc = warm["kernel_cache"]
     assert kc["status"] == "installed" and kc["copied"] == kc["files"] > 0 and not kc["skipped"], kc
-    assert warm_entries <= shipped, sorted(warm_entries - shipped)  # nothing compiled in this process
+    assert warm["compiled"] == [] and warm["hits"], warm["compiled"]  # every kernel from the artifact's cache
+    assert warm_entries <= shipped, sorted(warm_entries - shipped)
     assert warm["tokens"] == cold["tokens"]

@@ -26,35 +26,92 @@ def k31_cuda(tiny_build, tmp_path_factory):
 
 
 def _triton_cache(root, entries: dict[str, dict[str, bytes]]):
-    for entry, files in entries.items():
-        (root / entry).mkdir(parents=True, exist_ok=True)
-        for name, data in files.items():
-            (root / entry / name).write_bytes(data)
+    """A Triton cache folder written by Triton's own FileCacheManager: each entry's files, then (for entries with a
+    `k.json`) its group file, as the compiler writes a kernel (absolute child paths into `root`)."""
+    from triton import knobs
+    from triton.runtime.cache import FileCacheManager
+
+    old = knobs.cache.dir
+    knobs.cache.dir = str(root)
+    try:
+        for entry, files in entries.items():
+            m = FileCacheManager(entry)
+            paths = {name: m.put(data, name) for name, data in files.items()}
+            if "k.json" in files:
+                m.put_group("k.json", paths)
+    finally:
+        knobs.cache.dir = old
     return root
+
+
+def _triton_group(root, entry: str):
+    """What Triton's compiler finds for the kernel `entry` in the cache folder `root` (get_group: None or the
+    files that exist)."""
+    from triton import knobs
+    from triton.runtime.cache import FileCacheManager
+
+    old = knobs.cache.dir
+    knobs.cache.dir = str(root)
+    try:
+        return FileCacheManager(entry).get_group("k.json")
+    finally:
+        knobs.cache.dir = old
 
 
 def _record(device="NVIDIA H200", triton="3.6.0"):
     return {"device": {"name": device, "capability": "sm90"}, "versions": {"triton": triton}}
 
 
-def test_pack_then_install_copies_every_file_and_keeps_what_is_there(tmp_path):
-    src = _triton_cache(tmp_path / "warm", {"AAA": {"k.cubin": b"\x01" * 100, "k.json": b"{}"},
-                                            "BBB": {"cuda_utils.so": b"\x7fELF", "tmp.pid_1_2": b"partial"}})
+KERNEL = {"k.cubin": b"\x01" * 100, "k.json": b"{}", "k.ptx": b"ptx"}
+
+
+def test_pack_then_install_gives_triton_every_kernel_where_it_looks(tmp_path):
+    """Round trip through Triton's own cache manager: the warm folder is deleted after packing (as warm does), and in
+    the serving process's cache folder Triton's compiler finds each kernel's whole group there (its metadata path
+    is what makes a cache hit) -- the group file's absolute paths are rewritten on install."""
+    import shutil
+
+    src = _triton_cache(tmp_path / "warm", {"AAA": KERNEL, "BBB": {"cuda_utils.so": b"\x7fELF"}})
+    (src / "BBB" / "tmp.pid_1_2").mkdir()  # a temp folder Triton left behind
     art = tmp_path / "art"
     art.mkdir()
     index = kc.pack(src, art, _record())
-    assert sorted(index["files"]) == ["AAA/k.cubin", "AAA/k.json", "BBB/cuda_utils.so"]  # Triton's temp file left out
-    assert index["entries"] == 2 and index["bytes"] == 106 and index["triton"] == "3.6.0"
+    shutil.rmtree(src)
+    assert sorted(index["files"]) == ["AAA/__grp__k.json", "AAA/k.cubin", "AAA/k.json", "AAA/k.ptx",
+                                      "BBB/cuda_utils.so"]
+    assert index["entries"] == 2 and index["triton"] == "3.6.0"
     assert [p.name for p in art.iterdir()] == ["kernels"]  # no staging folder left
+    stored = json.loads((art / "kernels" / "triton" / "AAA" / "__grp__k.json").read_text())
+    assert stored == {"child_paths": {"k.cubin": "k.cubin", "k.json": "k.json", "k.ptx": "k.ptx"}}
+    dst = tmp_path / "user"
+    rep = kc.install(art, dst, "3.6.0")
+    assert rep == {"status": "installed", "files": 5, "copied": 5, "present": 0, "skipped": [], "triton": "3.6.0"}
+    assert _triton_group(dst, "AAA") == {n: str(dst / "AAA" / n) for n in KERNEL}
+    assert (dst / "AAA" / "k.cubin").read_bytes() == b"\x01" * 100
+    assert (dst / "BBB" / "cuda_utils.so").read_bytes() == b"\x7fELF"
+    assert sorted(p.name for p in (dst / "AAA").iterdir()) == ["__grp__k.json", "k.cubin", "k.json", "k.ptx"]
+    assert oct((dst / "AAA" / "k.cubin").stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # not mkstemp's 0600
+    assert oct((art / "kernels").stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+    again = kc.install(art, dst, "3.6.0")
+    assert again["copied"] == 0 and again["present"] == 5
+
+
+def _umask() -> int:
+    import os
+
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_an_entry_triton_has_is_never_overwritten(tmp_path):
+    art = tmp_path / "art"
+    art.mkdir()
+    kc.pack(_triton_cache(tmp_path / "w", {"AAA": KERNEL}), art, _record())
     dst = _triton_cache(tmp_path / "user", {"AAA": {"k.json": b"theirs"}})
     rep = kc.install(art, dst, "3.6.0")
-    assert rep == {"status": "installed", "files": 3, "copied": 2, "present": 1, "skipped": [], "triton": "3.6.0"}
-    assert (dst / "AAA" / "k.cubin").read_bytes() == b"\x01" * 100
-    assert (dst / "AAA" / "k.json").read_bytes() == b"theirs"  # an entry Triton has is never overwritten
-    assert (dst / "BBB" / "cuda_utils.so").read_bytes() == b"\x7fELF"
-    assert sorted(p.name for p in (dst / "BBB").iterdir()) == ["cuda_utils.so"]  # no temp names left
-    again = kc.install(art, dst, "3.6.0")
-    assert again["copied"] == 0 and again["present"] == 3
+    assert rep["present"] == 2 and rep["copied"] == 2  # their k.json and group file kept, the two others added
+    assert (dst / "AAA" / "k.json").read_bytes() == b"theirs"
 
 
 def test_a_second_warm_adds_entries_and_wins_on_a_conflict(tmp_path):
@@ -69,20 +126,32 @@ def test_a_second_warm_adds_entries_and_wins_on_a_conflict(tmp_path):
     assert (art / "kernels" / "triton" / "CCC" / "c").read_bytes() == b"tune-h200"
     assert json.loads((art / "kernels" / "index.json").read_text()) == index
     assert sorted(p.name for p in art.iterdir()) == ["kernels"]
+    other = kc.pack(_triton_cache(tmp_path / "new", {"EEE": {"e": b"y"}}), art, _record(triton="3.7.0"))
+    assert sorted(other["files"]) == ["EEE/e"] and len(other["warms"]) == 1  # another Triton: the old never hit
 
 
-def test_install_skips_a_modified_file_and_another_triton_version(tmp_path, caplog):
+def test_install_skips_a_modified_entry_whole_and_another_triton_version(tmp_path, caplog):
     art = tmp_path / "art"
     art.mkdir()
-    kc.pack(_triton_cache(tmp_path / "w", {"AAA": {"a": b"good"}, "BBB": {"b": b"good"}}), art, _record())
-    (art / "kernels" / "triton" / "BBB" / "b").write_bytes(b"evil")  # same size, other bytes
+    kc.pack(_triton_cache(tmp_path / "w", {"AAA": KERNEL, "BBB": KERNEL}), art, _record())
+    (art / "kernels" / "triton" / "BBB" / "k.cubin").write_bytes(b"\x02" * 100)  # same size, other bytes
     dst = tmp_path / "user"
     rep = kc.install(art, dst, "3.6.0")
-    assert rep["copied"] == 1 and rep["skipped"] == ["BBB/b"]
-    assert not (dst / "BBB" / "b").exists()
-    assert "BBB/b" in caplog.text and "does not match" in caplog.text
+    assert rep["copied"] == 4 and sorted(rep["skipped"]) == ["BBB/__grp__k.json", "BBB/k.cubin", "BBB/k.json",
+                                                              "BBB/k.ptx"]
+    assert not (dst / "BBB").exists()  # no part of it: Triton never sees a group without its cubin
+    assert "BBB/k.cubin" in caplog.text and "does not match" in caplog.text
     other = kc.install(art, tmp_path / "user2", "3.7.0")
     assert other["status"] == "version" and other["copied"] == 0 and not (tmp_path / "user2").exists()
+
+
+def test_an_entry_whose_group_names_files_elsewhere_is_not_packed(tmp_path, caplog):
+    src = _triton_cache(tmp_path / "w", {"AAA": KERNEL, "BBB": {"x": b"1"}})
+    (src / "AAA" / "__grp__k.json").write_text(json.dumps({"child_paths": {"k.json": "/etc/passwd"}}))
+    art = tmp_path / "art"
+    art.mkdir()
+    index = kc.pack(src, art, _record())
+    assert sorted(index["files"]) == ["BBB/x"] and "entry AAA left out" in caplog.text
 
 
 def test_no_kernels_and_bad_index(tmp_path):
