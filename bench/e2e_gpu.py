@@ -12,8 +12,9 @@ Like against like, every row says its launch mode:
            sparse MLA the selected 2048 rows); ours with CUDA graphs ("graph") and without ("eager program"), the
            reference's `forward_step` eagerly ("eager") and under torch.compile ("compile", mode in the row);
   ttft     prompt of N random tokens to its first token (chunked prefill of export.prefill_chunk tokens per step);
-           first_ms is the process's first prompt (kernels compiled, or installed from the artifact's kernel cache
-           after `kimi-compile warm`: the row's kernel_cache and triton_cache_dir say which), warm_ms the second;
+           first_ms is the process's first prompt after `load` (which builds the programs, weights on the device):
+           kernels compiled, or found in the artifact's kernel cache after `kimi-compile warm` (the row's
+           kernel_cache, triton_cache_dir and triton_first_prompt compile counts say which), warm_ms the second;
   accuracy the bf16 + quantized artifact against the fp32 reference on fixed prompts: teacher-forced top-1 agreement
            and logits relative error over --accuracy-steps greedy steps of the reference;
   memory   torch.cuda.max_memory_allocated per case;

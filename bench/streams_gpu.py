@@ -46,8 +46,7 @@ def two_programs(art: str):
     stream (weights loaded twice; caches shared)."""
     sess = load(art)
     on = sess.backend.program("decode")
-    sess.backend.streams = False
-    sess.backend._programs.pop("decode")
+    sess.backend.streams = False  # drops the programs built at load: the next one is built on one stream
     off = sess.backend.program("decode")
     sess.backend._programs["decode"] = on
     return sess, {"streams": on, "one stream": off}

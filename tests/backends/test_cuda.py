@@ -52,6 +52,7 @@ def test_greedy_tokens_equal_onnxruntime_for_32_steps(pair, request):
     want = load(ort_dir).generate(PROMPTS, 32, stop_at_eos=False)
     sess = load(cuda_dir)
     assert sess.backend.device.type == "cpu"
+    assert sorted(sess.backend._programs) == ["decode", "prefill"]  # built at load, before any request
     assert sess.generate(PROMPTS, 32, stop_at_eos=False) == want
     # the second request reuses the specialized programs (planned runs, no new specialization at the same shapes)
     assert sess.generate(PROMPTS, 32, stop_at_eos=False) == want

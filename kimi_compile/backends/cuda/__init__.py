@@ -147,14 +147,25 @@ class Executor:
         # shapes follow the capture setting at load: turning `graphs` off afterwards runs the same static-shape
         # program eagerly (like against like: same caches, same batch bucket, only the launch mode differs)
         self._static = self.graphs
-        self.streams = self.options.streams  # read when a phase's program is first built
+        self._programs: dict[str, Any] = {}
+        self._streams = self.options.streams
         if self.device.type == "cuda":  # float32 graphs compute in float32 (no TF32 in GEMMs and convolutions)
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-        self._programs: dict[str, Any] = {}
         self.kernel_cache = {"status": "off"}
         if kernel_cache and self.device.type == "cuda":
             self.kernel_cache = _install_kernels(self.dir)
+
+    @property
+    def streams(self) -> bool:
+        """Replay the stream plan (the recipe's `streams` option); changing it rebuilds the programs on next use."""
+        return self._streams
+
+    @streams.setter
+    def streams(self, value: bool) -> None:
+        if bool(value) != self._streams:
+            self._programs.clear()
+        self._streams = bool(value)
 
     @property
     def static_shapes(self) -> bool:
@@ -179,6 +190,11 @@ class Executor:
             attach_functions(m)
             self._programs[phase] = Program(m, self.device, streams=self.streams)
         return self._programs[phase]
+
+    def preload(self) -> None:
+        """Build every phase's program now (its weights on the device) instead of at the phase's first run."""
+        for phase in dict.fromkeys(k.partition(".rank")[0] for k in self.manifest.get("graphs", {})):
+            self.program(phase)
 
     def zeros(self, shape, dtype: str):
         """A cache tensor on the device; `dtype` as the manifest names it (numpy / ml_dtypes names)."""
@@ -240,7 +256,11 @@ def _install_kernels(artifact_dir: Path) -> dict:
 
 
 def load(artifact_dir: Path, manifest: dict, threads: int | None = None, device: str | None = None, **kw) -> Executor:
-    return Executor(artifact_dir, manifest, device=device, **kw)
+    """The runtime's entry: an Executor with every phase's program built (weights read onto the device) here, so
+    that loading is the slow step and a first request pays only what its shapes need."""
+    ex = Executor(artifact_dir, manifest, device=device, **kw)
+    ex.preload()
+    return ex
 
 
 def init_distributed(manifest: dict) -> dict:
