@@ -213,6 +213,9 @@ def install(artifact_dir: str | os.PathLike[str], cache_dir: str | os.PathLike[s
     for rel in index["files"]:
         entries.setdefault(rel.split("/")[0], []).append(rel)
     for entry, rels in entries.items():
+        if all((dst_root / rel).exists() for rel in rels):  # installed already (a restart): nothing to read
+            report["present"] += len(rels)
+            continue
         data: dict[str, bytes] = {}
         try:
             for rel in rels:
