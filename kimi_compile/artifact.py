@@ -53,7 +53,7 @@ from typing import Any
 
 from kimi_compile.cache import sha256_file
 
-__all__ = ["SCHEMA_VERSION", "ArtifactError", "ArtifactWriter", "check_out_dir", "load_manifest"]
+__all__ = ["SCHEMA_VERSION", "ArtifactError", "ArtifactWriter", "check_out_dir", "current_umask", "load_manifest"]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -70,7 +70,8 @@ class ArtifactError(Exception):
         super().__init__(f"artifact {where}: {message}")
 
 
-def _umask() -> int:
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it)."""
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -153,7 +154,7 @@ class ArtifactWriter:
             try:
                 parent.mkdir(parents=True, exist_ok=True)
                 self._staging = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.staging-", dir=parent))
-                os.chmod(self._staging, 0o777 & ~_umask())  # mkdtemp makes it 0700
+                os.chmod(self._staging, 0o777 & ~current_umask())  # mkdtemp makes it 0700
             except OSError as e:
                 raise ArtifactError(self.out_dir, f"cannot create the artifact's parent dir: {e}") from None
         return self._staging

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from kimi_compile import warm
+from kimi_compile.artifact import current_umask
 from kimi_compile.backends.cuda import kernel_cache as kc
 from kimi_compile.build import build
 from kimi_compile.recipe import with_overrides
@@ -108,18 +109,10 @@ def test_pack_then_install_gives_triton_every_kernel_where_it_looks(tmp_path):
     assert (dst / "AAA" / "k.cubin").read_bytes() == b"\x01" * 100
     assert (dst / "BBB" / "cuda_utils.so").read_bytes() == b"\x7fELF"
     assert sorted(p.name for p in (dst / "AAA").iterdir()) == ["__grp__k.json", "k.cubin", "k.json", "k.ptx"]
-    assert oct((dst / "AAA" / "k.cubin").stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # not mkstemp's 0600
-    assert oct((art / "kernels").stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+    assert oct((dst / "AAA" / "k.cubin").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())  # not mkstemp's 0600
+    assert oct((art / "kernels").stat().st_mode & 0o777) == oct(0o777 & ~current_umask())
     again = kc.install(art, dst, "3.6.0")
     assert again["copied"] == 0 and again["present"] == 5
-
-
-def _umask() -> int:
-    import os
-
-    m = os.umask(0)
-    os.umask(m)
-    return m
 
 
 def test_an_entry_triton_has_is_never_overwritten(tmp_path):

@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kimi_compile.artifact import current_umask
+
 log = logging.getLogger(__name__)
 
 DIR = "kernels"
@@ -71,12 +73,6 @@ GROUP = "__grp__"  # Triton's group files: {"child_paths": {file name: absolute 
 
 def _is_group(name: str) -> bool:
     return name.startswith(GROUP)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _group_children(data: bytes, where: str) -> dict[str, str]:
@@ -149,7 +145,7 @@ def pack(cache_dir: str | os.PathLike[str], artifact_dir: str | os.PathLike[str]
     new_entries = {rel.split("/")[0] for rel in new_files}
     version = record.get("versions", {}).get("triton")
     keep_old = old is not None and old.get("triton") == version
-    fmode, dmode = 0o666 & ~_umask(), 0o777 & ~_umask()
+    fmode, dmode = 0o666 & ~current_umask(), 0o777 & ~current_umask()
     staging = Path(tempfile.mkdtemp(prefix=".kernels-", dir=root))
     try:
         os.chmod(staging, dmode)
@@ -208,7 +204,7 @@ def install(artifact_dir: str | os.PathLike[str], cache_dir: str | os.PathLike[s
                  root, index.get("triton"), triton_version)
         return {**report, "status": "version"}
     dst_root = Path(cache_dir)
-    fmode = 0o666 & ~_umask()
+    fmode = 0o666 & ~current_umask()
     entries: dict[str, list[str]] = {}
     for rel in index["files"]:
         entries.setdefault(rel.split("/")[0], []).append(rel)
