@@ -21,7 +21,8 @@ def weights_file(phase: str) -> str:
 
 def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
     """Serialize the graphs with shared external weights; returns {phase: {"file", "weights"},
-    "_shared_initializers": n}."""
+    "_shared_initializers": n}. Initializers are shared by content: the phases' traces name the same weight
+    differently (`val_188` in one, `val_506` in the other), so a name would miss most of them."""
     gdir = Path(out_dir) / "graphs"
     gdir.mkdir(parents=True, exist_ok=True)
     shared = 0
@@ -48,11 +49,11 @@ def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
 def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) -> tuple[int, dict[str, int]]:
     """Writes the initializers of `phases` into `weights`; (tensors shared between the phases, the bytes the
     phases hold: {"sharded": a partition pass's slices (kimi.shard metadata), "replicated": the rest}, each distinct
-    (name, content) once, small inline constants included)."""
+    content once, small inline constants included)."""
     import onnx_ir as ir
 
-    offsets: dict[tuple[str, str], tuple[int, int]] = {}
-    held: dict[tuple[str, str], tuple[bool, int]] = {}
+    offsets: dict[tuple[str, int], tuple[int, int]] = {}
+    held: dict[tuple[str, int], tuple[bool, int]] = {}
     shared = 0
     with open(gdir / weights, "wb") as f:
         for phase in phases:
@@ -62,7 +63,7 @@ def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) ->
                 if tensor is None:
                     continue
                 data = tensor.tobytes()
-                key = (name, hashlib.sha256(data).hexdigest())
+                key = (hashlib.sha256(data).hexdigest(), len(data))
                 held[key] = ("kimi.shard" in value.metadata_props, len(data))
                 if len(data) < 1024:  # small constants stay inline
                     value.const_value = ir.Tensor(tensor.numpy(), name=name)

@@ -308,6 +308,44 @@ def test_gpu_coverage_is_in_the_manifest(k31_pair):
     assert idx and all(r["impl"] == "kernel:torch.indexer_topk" and "MXFP8" in r["reason"] for r in idx)
 
 
+def test_phases_share_one_copy_of_each_weight(k31_pair):
+    """The phases' traces name a weight differently (`val_188` in prefill, `val_506` in decode), yet it is one weight:
+    weights.bin stores each distinct content once (its size is the distinct bytes plus alignment) and the executor
+    loads it once, both programs holding the same device tensor."""
+    import hashlib
+    import json
+
+    from kimi_compile.backends.cuda import Executor
+    from kimi_compile.backends.serialize import ALIGN
+
+    _, cuda_dir = k31_pair
+    man = json.loads((cuda_dir / "manifest.json").read_text())
+    where, content = {}, {}
+    for phase in ("prefill", "decode"):
+        m = ir.load(cuda_dir / man["graphs"][phase]["file"])
+        for name, v in m.graph.initializers.items():
+            t = v.const_value
+            if isinstance(t, ir.ExternalTensor):
+                data = t.tobytes()
+                where[phase, name] = (t.offset, t.length)
+                content.setdefault(hashlib.sha256(data).hexdigest(), set()).add((t.offset, t.length))
+    assert all(len(places) == 1 for places in content.values())  # equal bytes, one place
+    pre = {where[k] for k in where if k[0] == "prefill"}
+    dec = {where[k] for k in where if k[0] == "decode"}
+    assert len(pre & dec) >= 0.9 * len(dec)  # decode's weights are prefill's (names differ)
+    distinct = sum(n for _, n in set(where.values()))
+    size = (cuda_dir / "graphs" / "weights.bin").stat().st_size
+    assert distinct <= size <= distinct + ALIGN * len(content)
+    ex = Executor(cuda_dir, man, device="cpu")
+    ex.preload()
+    ptrs = {ph: {t.data_ptr() for t in ex.program(ph).consts.values() if t.numel() * t.element_size() >= 1024}
+            for ph in ("prefill", "decode")}
+    held = {t.data_ptr() for t in (*ex.program("prefill").consts.values(), *ex.program("decode").consts.values())
+            if t.numel() * t.element_size() >= 1024}
+    assert len(ptrs["prefill"] & ptrs["decode"]) >= 0.9 * len(ptrs["decode"])
+    assert len(held) == len(set(where.values()))  # one device tensor per stored weight
+
+
 def test_bfloat16_graph_runs_with_float32_states(tiny_build, tmp_path):
     """model.dtype bfloat16 + convert_dtype: weights and activations bf16, KDA states and logits float32."""
     recipe = with_overrides(tiny_build[0], backend="cuda", target="cuda")

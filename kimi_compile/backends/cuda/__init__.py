@@ -148,6 +148,7 @@ class Executor:
         # program eagerly (like against like: same caches, same batch bucket, only the launch mode differs)
         self._static = self.graphs
         self._programs: dict[str, Any] = {}
+        self._weights: dict[tuple, Any] = {}  # device weights shared by the phases' programs (Program weight_pool)
         self._streams = self.options.streams
         if self.device.type == "cuda":  # float32 graphs compute in float32 (no TF32 in GEMMs and convolutions)
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -188,7 +189,7 @@ class Executor:
             key = phase if self.rank is None else f"{phase}.rank{self.rank}"
             m = ir.load(self.dir / self.manifest["graphs"][key]["file"])
             attach_functions(m)
-            self._programs[phase] = Program(m, self.device, streams=self.streams)
+            self._programs[phase] = Program(m, self.device, streams=self.streams, weight_pool=self._weights)
         return self._programs[phase]
 
     def preload(self) -> None:

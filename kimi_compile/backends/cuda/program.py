@@ -103,14 +103,26 @@ def _from_reference(a: Any, like: ir.Value, device: torch.device) -> torch.Tenso
     return t.to(want) if want is not None and t.dtype != want else t
 
 
+def _weight_key(v: ir.Value) -> tuple | None:
+    """Where an external initializer's bytes live and how they are read (None for inline data): equal keys are the
+    same tensor (the artifact writer stores each distinct weight once: serialize.py)."""
+    t = v.const_value
+    if not isinstance(t, ir.ExternalTensor):
+        return None
+    return (str(t.path), t.offset, t.length, t.dtype, tuple(int(d) for d in t.shape))
+
+
 class Program:
     """One phase graph as steps over a value table. `run(feeds)` -> {output name: tensor}."""
 
     def __init__(self, model: ir.Model, device: str | torch.device, kernels: dict | None = None,
-                 *, weights: bool = True, kernel_device: str | None = None, streams: bool = True):
+                 *, weights: bool = True, kernel_device: str | None = None, streams: bool = True,
+                 weight_pool: dict | None = None):
         """`weights=False` lowers from shapes alone (device "meta": for the build's coverage report);
         `kernel_device` is the device kernels are chosen for (default: `device`'s type); `streams=False` ignores
-        the stream plan (kimi.stream / kimi.wait): every step on the main stream, in graph order."""
+        the stream plan (kimi.stream / kimi.wait): every step on the main stream, in graph order. `weight_pool`:
+        device weights by where their bytes live (file, offset, length, dtype, shape), shared with the other phases'
+        programs, so one weight stored once in the artifact is one tensor on the device."""
         self.device = torch.device(device)
         self.kernel_device = kernel_device or self.device.type
         self.kernels = ops.kernels("CUDA") if kernels is None else kernels
@@ -134,11 +146,15 @@ class Program:
             if v.const_value is None:
                 continue
             if weights:
-                arr = v.const_value.numpy()
-                t = _to_torch(arr, v.dtype, torch.device("cpu"))
-                if t.numel() <= SMALL_CONST:
-                    self.host_consts[i] = t
-                self.consts[i] = t.to(self.device)
+                key = _weight_key(v) if weight_pool is not None else None
+                if key is None or key not in weight_pool:
+                    t = _to_torch(v.const_value.numpy(), v.dtype, torch.device("cpu"))
+                    loaded = (t.to(self.device), t if t.numel() <= SMALL_CONST else None)
+                    if key is not None:
+                        weight_pool[key] = loaded
+                self.consts[i], host = loaded if key is None else weight_pool[key]
+                if host is not None:
+                    self.host_consts[i] = host
             else:  # shapes only (planning without the weights' bytes)
                 shape = [int(d) for d in v.shape]
                 self.consts[i] = torch.empty(shape, dtype=onnx_ops.torch_dtype(v.dtype), device="meta")
@@ -194,7 +210,8 @@ class Program:
                     "reference", reason=reason, inplace=inplace)
 
     def _check_inplace(self) -> None:
-        """An in-place output may alias its input only if nothing reads that input after the step."""
+        """An in-place output may alias its input only if nothing reads that input after the step and the input is
+        not a weight."""
         last_use: dict[int, int] = {}
         for s in self.steps:
             for i in s.inputs:
@@ -203,8 +220,8 @@ class Program:
         for _, i in self.outputs:
             last_use[i] = len(self.steps)
         for s in self.steps:
-            for o, i in list(s.inplace.items()):
-                if s.inputs[i] is None or last_use.get(s.inputs[i], -1) > s.index:
+            for o, i in list(s.inplace.items()):  # never into a weight: the next run (and other phases) read it
+                if s.inputs[i] is None or s.inputs[i] in self.consts or last_use.get(s.inputs[i], -1) > s.index:
                     del s.inplace[o]
                     if s.impl != "reference":  # the kernel writes in place regardless: copy the input first
                         s.fn = _copy_first(s.fn, i)
