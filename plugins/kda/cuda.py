@@ -31,6 +31,14 @@ def _cat_once(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return hit[1]
 
 
+def fla_chunk_applies(dtype: torch.dtype) -> bool:
+    """Whether fla-core's chunk_kda may run the chunked recurrence of activations of `dtype`. Not for float32: fla's
+    kernels multiply float32 operands in TF32 (Triton's default dot precision), about 1e-3 relative error in
+    kimi-k3-tiny's logits (docs/cuda_backend.md), ten times what a float32 graph promises; float32 takes the chunked
+    form in torch (its GEMMs in FP32: the executor turns TF32 off)."""
+    return dtype != torch.float32
+
+
 def _recurrence(q, k, v, g, beta, state):
     """o [B,T,H,D]; state [B,H,D,D] fp32 updated in place."""
     T = q.shape[1]
@@ -40,7 +48,7 @@ def _recurrence(q, k, v, g, beta, state):
         o = kda_decode_step(q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), g[:, 0].float(),
                             beta[:, 0].float(), state)
         return o.unsqueeze(1)
-    if state.is_cuda:
+    if state.is_cuda and fla_chunk_applies(v.dtype):
         from fla.ops.kda import chunk_kda
 
         o, final = chunk_kda(q.to(v.dtype), k.to(v.dtype), v, g.float(), beta.float(), scale=1.0,
@@ -153,14 +161,15 @@ def prefill_fused(x, a, out=None):
     over the carried window, SiLU, L2 norms, beta, the gate input masked on padding rows, the window advanced in
     place), fla-core's chunk_kda with its in-kernel safe gate (the state updated in place) and the output
     norm-and-gate kernel (plugins/kda/triton.py `kda_prefill`). Returns None (the caller takes the torch form) where
-    the pre-kernel does not apply (`prefill_prepare_unsupported`) or the state is not contiguous float32."""
+    the pre-kernel does not apply (`prefill_prepare_unsupported`), the state is not contiguous float32 or the
+    activations are float32 (`fla_chunk_applies`)."""
     from kimi_compile.plugins.kda import triton as ktk
 
     x = _Layer(*x)
     dt = x.h.dtype
     cw, shapes = _fused_inputs(x)
-    if ktk.prefill_prepare_unsupported(*shapes) is not None or not (x.state.dtype == torch.float32
-                                                                     and x.state.is_contiguous()):
+    if (ktk.prefill_prepare_unsupported(*shapes) is not None or not fla_chunk_applies(dt)
+            or not (x.state.dtype == torch.float32 and x.state.is_contiguous())):
         return None
     u, f, b = _projections(x)
     H = x.A_log.numel()

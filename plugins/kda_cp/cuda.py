@@ -2,7 +2,8 @@
 window and state bookkeeping):
   map     on a GPU one fla-core chunk_kda call over the augmented state: initial state [I | 0] and values [0 | v]
           (Dk + Dv columns) give [A | B] as the final state, since every column of the state runs its own linear
-          recurrence; on the CPU the reference model's chunked form in float32;
+          recurrence; on the CPU, and for float32 activations (plugins/kda/cuda.py `fla_chunk_applies`), the
+          reference model's chunked form in float32;
   replay  the kimi.KDA kernel (plugins/kda/cuda.py: chunk_kda on a GPU) from each piece's true window and state.
 Meta tensors (the build's shape-only runs) get outputs of the right shapes."""
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kimi_compile.lowering import Kernel
+from kimi_compile.plugins.kda.cuda import fla_chunk_applies
 
 from . import reference
 
@@ -41,7 +43,8 @@ def segment_map(x, a):
     D = conv_q.shape[0] // H
     if h.device.type == "meta":
         return _meta((h.shape[0], H, D, 2 * D))
-    return (reference.segment_map_op(*x, a, recurrence=chunk_recurrence if h.is_cuda else None),)
+    fla = h.is_cuda and fla_chunk_applies(h.dtype)  # float32: the chunked form in torch (FP32 GEMMs)
+    return (reference.segment_map_op(*x, a, recurrence=chunk_recurrence if fla else None),)
 
 
 def segment_replay(x, a):
