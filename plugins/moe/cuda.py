@@ -2,8 +2,10 @@
 the tokens sorted by expert (static shapes: N*k rows whatever the routing, so the step can be captured in a CUDA
 graph).
 
-Experts read only their own rows: `torch._grouped_mm` (CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere
-(CPU, fp32) the same sorted layout through a gathered batched product. On CUDA tensors four Triton kernels
+Experts read only their own rows: up to MAX_EXPERT_ROWS rows (decode at small batches) two Triton launches, each
+sorted row a product with its expert's weights (plugins/moe/triton.py `experts`); more rows `torch._grouped_mm`
+(CUTLASS grouped GEMM, Hopper, bf16) on the GPU; elsewhere (CPU, fp32) the same sorted layout through a gathered
+batched product. On CUDA tensors four Triton kernels
 (plugins/moe/triton.py) replace torch compositions: the router's selection after its sigmoid, the rows' layout by
 expert (a histogram and a key sort in one tile), the SiTU activation of the experts and of the shared expert, and
 the routed sum over k with its RMSNorm; the torch forms run on the CPU and wherever a kernel declines. Selection and weights follow the op's contract exactly (fp32 router scores, ties to the lower expert). Deterministic: the k expert rows of a token are
@@ -101,13 +103,19 @@ def _routed(h, router_w, router_bias, w_down, w1, w3, w2, a, offset: int = 0, ro
     z = xf @ w_down.t().to(dt)
     flat = idx.reshape(-1)
     order, expert, token, offs = _layout(flat, k, E)
-    zs = z.index_select(0, token)
-    gate = _grouped(zs, w1.to(dt), expert, offs)
-    up = _grouped(zs, w3.to(dt), expert, offs)
-    act = _situ(up, gate, a, dt)
-    r_sorted = _grouped(act, w2.to(dt), expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
-    # back to [N, k] order (each row written once) and a sum over k: deterministic, unlike index_add_'s atomics
-    r = torch.empty_like(r_sorted).index_copy_(0, order, r_sorted)
+    w1, w3, w2 = w1.to(dt), w3.to(dt), w2.to(dt)
+    r = None
+    if z.is_cuda and a["situ_beta"] > 0:  # a few rows (decode): two Triton launches, rows read their expert's weights
+        from kimi_compile.plugins.moe import triton as tk
+
+        r = tk.experts(z, token, expert, order, wk.reshape(-1).float(), w1, w3, w2, a["situ_beta"],
+                       a["situ_linear_beta"])
+    if r is None:
+        zs = z.index_select(0, token)
+        act = _situ(_grouped(zs, w3, expert, offs), _grouped(zs, w1, expert, offs), a, dt)
+        r_sorted = _grouped(act, w2, expert, offs).float() * wk.reshape(-1).index_select(0, order).unsqueeze(-1)
+        # back to [N, k] order (each row written once) and a sum over k: deterministic, unlike index_add_'s atomics
+        r = torch.empty_like(r_sorted).index_copy_(0, order, r_sorted)
     return r if rows else r.reshape(xf.shape[0], k, -1).sum(1)
 
 

@@ -113,6 +113,50 @@ if triton is not None:
         tl.store(EXPERT + i, (key >> SHIFT).to(tl.int64), mask=m)
         tl.store(TOKEN + i, (row // K).to(tl.int64), mask=m)
 
+    @triton.jit
+    def _experts_up_kernel(Z, TOKEN, EXPERT, W1, W3, ACT, L, I, stride_z, beta, linear_beta, LINEAR: tl.constexpr,
+                           BI: tl.constexpr, BL: tl.constexpr):
+        # one sorted row r (expert e, token t) x BI outputs: gate = z[t] . w1[e, i, :], up = z[t] . w3[e, i, :],
+        # act = SiTU(up, gate) from the fp32 sums; rows of one expert are neighbours, so their weights hit in L2
+        r = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * BI + tl.arange(0, BI)
+        mi = i < I
+        e = tl.load(EXPERT + r)
+        zrow = Z + tl.load(TOKEN + r) * stride_z
+        wrow = e * I * L + i.to(tl.int64)[:, None] * L
+        g = tl.zeros([BI], dtype=tl.float32)
+        u = tl.zeros([BI], dtype=tl.float32)
+        for l0 in range(0, L, BL):
+            d = l0 + tl.arange(0, BL)
+            ml = d < L
+            x = tl.load(zrow + d, mask=ml, other=0.0).to(tl.float32)[None, :]
+            m = mi[:, None] & ml[None, :]
+            g += tl.sum(tl.load(W1 + wrow + d[None, :], mask=m, other=0.0).to(tl.float32) * x, axis=1)
+            u += tl.sum(tl.load(W3 + wrow + d[None, :], mask=m, other=0.0).to(tl.float32) * x, axis=1)
+        a = beta * _tanh(g / beta) * tl.sigmoid(g)
+        if LINEAR:
+            u = linear_beta * _tanh(u / linear_beta)
+        tl.store(ACT + r * I + i, a * u, mask=mi)
+
+    @triton.jit
+    def _experts_down_kernel(ACT, EXPERT, ORDER, WK, W2, R, L, I, BL: tl.constexpr, BI: tl.constexpr):
+        # one sorted row r x BL latent outputs: act[r] . w2[e, d, :] times the row's routing weight, written at the
+        # row's token-major place order[r] (each place written once: no atomics)
+        r = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BL + tl.arange(0, BL)
+        ml = d < L
+        e = tl.load(EXPERT + r)
+        dst = tl.load(ORDER + r)
+        wrow = e * L * I + d.to(tl.int64)[:, None] * I
+        acc = tl.zeros([BL], dtype=tl.float32)
+        for i0 in range(0, I, BI):
+            i = i0 + tl.arange(0, BI)
+            mi = i < I
+            a = tl.load(ACT + r * I + i, mask=mi, other=0.0)[None, :]
+            w = tl.load(W2 + wrow + i[None, :], mask=ml[:, None] & mi[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w * a, axis=1)
+        tl.store(R + dst * L + d, acc * tl.load(WK + dst), mask=ml)
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -208,3 +252,38 @@ def sum_norm(r: torch.Tensor, k: int, weight: torch.Tensor, eps: float, dtype: t
     if N:
         _norm_kernel[(N,)](r, weight.contiguous(), out, L, float(eps), K=k, BLOCK_L=triton.next_power_of_2(L))
     return out
+
+
+MAX_EXPERT_ROWS = 64  # N * k of the small-batch experts kernels (decode at B <= 8 with k = 8: about one row per
+# expert, so a row-at-a-time product reads each expert's weights once); more rows take the grouped GEMM
+EXPERT_BLOCKS = (16, 256)  # (outputs, reduction) of a program's tile in both kernels
+
+
+def experts(z: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, order: torch.Tensor, wk: torch.Tensor,
+            w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, beta: float, linear_beta: float
+            ) -> torch.Tensor | None:
+    """The routed experts of a few rows in two launches: r [N * k, L] float32 in token-major order (row
+    order[j] = wk[order[j]] * w2[e] @ SiTU(w3[e] @ z[t], w1[e] @ z[t]) for sorted row j of expert e = expert[j] and
+    token t = token[j]; plugins/moe/cuda.py `_layout` gives order, expert and token). z [N, L]; w1, w3 [E, I, L];
+    w2 [E, L, I], all one float dtype; wk [N * k] float32. Products and the activation in fp32 from the inputs'
+    values (the grouped GEMM path rounds gate, up and act to the weights' dtype in between). None when the kernel
+    does not apply (more than MAX_EXPERT_ROWS rows, other layouts or dtypes): the caller takes the grouped GEMMs."""
+    M = order.numel()
+    if triton is None or not (z.is_cuda or _interpreting()) or not 0 < M <= MAX_EXPERT_ROWS or beta <= 0 \
+            or z.dim() != 2 or w1.dim() != 3 or w1.shape != w3.shape or w2.shape != (w1.shape[0], z.shape[1],
+                                                                                     w1.shape[1]) \
+            or w1.shape[2] != z.shape[1] or z.dtype not in FLOATS or wk.dtype != torch.float32 or wk.numel() != M \
+            or any(t.dtype != z.dtype or not t.is_contiguous() for t in (w1, w3, w2)) or z.stride(1) != 1 \
+            or any(t.dtype != torch.int64 or t.numel() != M for t in (token, expert, order)):
+        return None
+    L, I = z.shape[1], w1.shape[1]
+    out_block, red_block = EXPERT_BLOCKS
+    act = torch.empty(M, I, dtype=torch.float32, device=z.device)
+    _experts_up_kernel[(M, triton.cdiv(I, out_block))](z, token, expert, w1, w3, act, L, I, z.stride(0), float(beta),
+                                                       float(linear_beta), LINEAR=linear_beta > 0, BI=out_block,
+                                                       BL=red_block)
+    r = torch.empty(M, L, dtype=torch.float32, device=z.device)
+    _experts_down_kernel[(M, triton.cdiv(L, out_block))](act, expert, order, wk.contiguous(), w2, r, L, I,
+                                                         BL=out_block, BI=red_block)
+    return r
+

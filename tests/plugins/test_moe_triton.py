@@ -1,4 +1,5 @@
-"""The MoE's Triton kernels (plugins/moe/triton.py: SiTU activation, router selection, sum over k with the RMSNorm)
+"""The MoE's Triton kernels (plugins/moe/triton.py: SiTU activation, router selection, row layout, the small-batch
+experts, sum over k with the RMSNorm)
 against the torch forms they replace on the GPU (plugins/moe/cuda.py), on fresh random inputs, outputs poisoned by
 construction (torch.empty). The router's expert ids must equal the torch form's exactly, ties included.
 
@@ -71,6 +72,7 @@ def test_moe_kernel_on_the_gpu_matches_its_torch_activation(monkeypatch):
     monkeypatch.setattr(mcuda, "_route", lambda *args: None)
     monkeypatch.setattr(mtk, "sum_norm", lambda *args: None)
     monkeypatch.setattr(mtk, "layout", lambda *args: None)
+    monkeypatch.setattr(mtk, "experts", lambda *args: None)  # the grouped GEMMs (27 rows take the experts kernels)
     (want,) = mcuda.moe(x, attrs)
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2
 
@@ -187,3 +189,60 @@ def test_route_and_sum_norm_decline_what_they_do_not_take():
     assert mtk.route(s, torch.zeros(8), 9, True, 1.0) is None
     assert mtk.sum_norm(torch.rand(7, 4), 2, torch.ones(4), 1e-5, torch.float32) is None  # 7 rows, k = 2
     assert mtk.sum_norm(torch.rand(8, 4), 2, torch.ones(5), 1e-5, torch.float32) is None
+
+
+def _experts_case(N, k, E, L, I, dtype, seed, held=None):
+    """Random routing of N tokens to k of E experts (some experts crowded, some empty), its torch layout, and the
+    float64 result of the formula from the same (rounded) values: r [N * k, L] token-major."""
+    gen = torch.Generator().manual_seed(seed)
+    z = torch.randn(N, L, generator=gen).to(dtype)
+    w1, w3 = ((torch.randn(E, I, L, generator=gen) / L ** 0.5).to(dtype) for _ in range(2))
+    w2 = (torch.randn(E, L, I, generator=gen) / I ** 0.5).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    if E > 2:
+        idx[idx == 1] = 0 if k == 1 else idx[idx == 1]  # expert 1 empty where k == 1
+    wk = torch.rand(N, k, generator=gen)
+    if held is not None:  # expert parallelism: experts held elsewhere weigh 0 (their index clamped to 0)
+        wk = torch.where(idx < held, wk, 0.0)
+        idx = torch.where(idx < held, idx, 0)
+    order, expert, token, _ = mcuda._layout(idx.reshape(-1), k, E)
+    z64, w164, w364, w264 = (t.double() for t in (z, w1, w3, w2))
+    want = torch.empty(N * k, L, dtype=torch.float64)
+    for j in range(N * k):
+        e, t, dst = int(expert[j]), int(token[j]), int(order[j])
+        act = mcuda._act(w364[e] @ z64[t], w164[e] @ z64[t], 4.0, 25.0)
+        want[dst] = float(wk.reshape(-1)[dst]) * (w264[e] @ act)
+    return (z, token, expert, order, wk.reshape(-1).float(), w1, w3, w2), want
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("N", "k", "E", "L", "I", "held"), [(1, 8, 64, 1024, 768, None), (8, 8, 64, 64, 48, None),
+                                                          (3, 2, 10, 200, 37, None), (5, 3, 12, 96, 300, 8),
+                                                          (2, 1, 3, 17, 16, None)])
+def test_experts_match_the_formula(N, k, E, L, I, held, dtype):
+    """The small-batch experts kernels against the formula in float64 from the same values: products and the
+    activation in fp32 (relative error < 1e-5 in either input dtype), every row at its token-major place, rows of
+    experts held elsewhere zero; sizes that are not multiples of the blocks, the 64-row cap, one row per expert and
+    crowded experts."""
+    args, want = _experts_case(N, k, E, L, I, dtype, seed=N * 1000 + E * 10 + L + I, held=held)
+    got = mtk.experts(*(t.to(DEV) for t in args), 4.0, 25.0)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (N * k, L)
+    got = got.cpu().double()
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    if held is not None:
+        zero = args[4] == 0
+        assert bool(zero.any()) and bool((got[zero] == 0).all())
+
+
+def test_experts_decline_what_they_do_not_take():
+    args, _ = _experts_case(9, 8, 64, 32, 16, torch.float32, seed=1)  # 72 rows: over the cap
+    assert mtk.experts(*args, 4.0, 25.0) is None
+    args, _ = _experts_case(2, 2, 4, 32, 16, torch.float32, seed=2)
+    z, token, expert, order, wk, w1, w3, w2 = args
+    assert mtk.experts(z, token, expert, order, wk, w1, w3, w2.to(torch.bfloat16), 4.0, 25.0) is None  # dtypes
+    assert mtk.experts(z, token, expert, order, wk, w1, w3, w2.transpose(1, 2), 4.0, 25.0) is None  # shape
+    assert mtk.experts(z, token, expert, order, wk, w1, w3, w2, 0.0, 25.0) is None  # beta
+    if not INTERPRET:
+        assert mtk.experts(*args, 4.0, 25.0) is None  # CPU tensors outside the interpreter: the caller's torch form
+
