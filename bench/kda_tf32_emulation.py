@@ -1,8 +1,11 @@
 """How far TF32 operands in the KDA's chunked recurrence move a float32 model's logits: the cuda artifact run on CPU
 tensors (a machine without CUDA), its chunked form (kimi_compile.model.primitives.kda_chunked) once as is and once
-with the q, k, v inputs and every matrix product's operands rounded to TF32 (10 mantissa bits, round to nearest: what fla-core's chunk_kda
-does to float32 on a GPU, Triton's default dot precision), each beside ONNX Runtime's fp32 reference artifact on the
-same prompts: the prefill and 12 teacher-forced decode steps (the reference's greedy tokens fed to both).
+with its q, k, v inputs and the operands of its `@` products (the intra-chunk solve's w and u, the state passes)
+rounded to TF32's 10 mantissa bits (half away from zero on the magnitude; the hardware rounds to nearest even):
+what fla-core's chunk_kda does to float32 on a GPU, Triton's default dot precision. Its einsums and the forward
+substitution stay float32 here where fla's dots round them too, so the errors are a lower bound. Each beside ONNX
+Runtime's fp32 reference artifact on the same prompts: the prefill and 12 teacher-forced decode steps (the
+reference's greedy tokens fed to both).
 
     python bench/kda_tf32_emulation.py ORT_ARTIFACT CUDA_ARTIFACT [ORT CUDA ...] --out FILE
 
@@ -31,7 +34,7 @@ PROMPTS = [[5, 17, 3, 99, 250, 7, 12, 40, 41, 8, 300, 2, 77], [9, 8, 7], [400, 1
 
 
 def tf32(x: torch.Tensor) -> torch.Tensor:
-    """float32 rounded to TF32's 10 mantissa bits (round half up on the magnitude), still stored as float32."""
+    """float32 rounded to TF32's 10 mantissa bits (half away from zero on the magnitude), stored as float32."""
     if x.dtype != torch.float32:
         return x
     bits = x.contiguous().view(torch.int32)

@@ -166,7 +166,7 @@ def test_shards_sum_to_the_unsharded_weights(case, artifacts):
         held_bytes = {}
         for phase in ("prefill", "decode"):
             for name, (nbytes, sha, meta) in _weights(art, f"{phase}.rank{r}").items():
-                held_bytes[(name, sha)] = nbytes  # one weights file per rank: each (name, content) once
+                held_bytes[sha] = nbytes  # one weights file per rank: each distinct content once
                 if meta is not None:
                     src = (phase, json.loads(meta).get("of", name))
                     shards[src] = shards.get(src, 0) + nbytes

@@ -21,7 +21,7 @@ def weights_file(phase: str) -> str:
 
 def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
     """Serialize the graphs with shared external weights; returns {phase: {"file", "weights"},
-    "_shared_initializers": n}. Initializers are shared by content: the phases' traces name the same weight
+    "_shared_initializers": n (initializers that found their bytes already written, in any phase)}. Initializers are shared by content: the phases' traces name the same weight
     differently (`val_188` in one, `val_506` in the other), so a name would miss most of them."""
     gdir = Path(out_dir) / "graphs"
     gdir.mkdir(parents=True, exist_ok=True)

@@ -19,15 +19,17 @@ import torch.nn.functional as F
 
 from kimi_compile.lowering import Kernel, out_slot
 
-# id of the first part -> (weak references to the parts, their concatenation): made once per weight set (outside any
-# CUDA-graph capture); an entry whose weights died (an id reused by a new tensor) is remade
-_FUSED: dict[int, tuple[tuple, torch.Tensor]] = {}
+# (ids of the parts, dim) -> (weak references to the parts, their concatenation): made once per weight set (outside
+# any CUDA-graph capture); an entry whose weights died (an id reused by a new tensor) is remade. Keyed by every part:
+# a weight stored once may be a part of several sets (the artifact stores equal bytes once)
+_FUSED: dict[tuple, tuple[tuple, torch.Tensor]] = {}
 
 
 def _cat_once(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    hit = _FUSED.get(id(parts[0]))
-    if hit is None or len(hit[0]) != len(parts) or any(r() is not t for r, t in zip(hit[0], parts)):
-        hit = _FUSED[id(parts[0])] = (tuple(weakref.ref(t) for t in parts), torch.cat(parts, dim))
+    key = (*map(id, parts), dim)
+    hit = _FUSED.get(key)
+    if hit is None or any(r() is not t for r, t in zip(hit[0], parts)):
+        hit = _FUSED[key] = (tuple(weakref.ref(t) for t in parts), torch.cat(parts, dim))
     return hit[1]
 
 

@@ -124,15 +124,17 @@ if triton is not None:
         e = tl.load(EXPERT + r)
         zrow = Z + tl.load(TOKEN + r) * stride_z
         wrow = e * I * L + i.to(tl.int64)[:, None] * L
-        g = tl.zeros([BI], dtype=tl.float32)
-        u = tl.zeros([BI], dtype=tl.float32)
+        g2 = tl.zeros([BI, BL], dtype=tl.float32)  # lane-wise partial sums, reduced once after the loop
+        u2 = tl.zeros([BI, BL], dtype=tl.float32)
         for l0 in range(0, L, BL):
             d = l0 + tl.arange(0, BL)
             ml = d < L
             x = tl.load(zrow + d, mask=ml, other=0.0).to(tl.float32)[None, :]
             m = mi[:, None] & ml[None, :]
-            g += tl.sum(tl.load(W1 + wrow + d[None, :], mask=m, other=0.0).to(tl.float32) * x, axis=1)
-            u += tl.sum(tl.load(W3 + wrow + d[None, :], mask=m, other=0.0).to(tl.float32) * x, axis=1)
+            g2 += tl.load(W1 + wrow + d[None, :], mask=m, other=0.0).to(tl.float32) * x
+            u2 += tl.load(W3 + wrow + d[None, :], mask=m, other=0.0).to(tl.float32) * x
+        g = tl.sum(g2, axis=1)
+        u = tl.sum(u2, axis=1)
         a = beta * _tanh(g / beta) * tl.sigmoid(g)
         if LINEAR:
             u = linear_beta * _tanh(u / linear_beta)
@@ -148,14 +150,13 @@ if triton is not None:
         e = tl.load(EXPERT + r)
         dst = tl.load(ORDER + r)
         wrow = e * L * I + d.to(tl.int64)[:, None] * I
-        acc = tl.zeros([BL], dtype=tl.float32)
+        acc = tl.zeros([BL, BI], dtype=tl.float32)  # lane-wise partial sums, reduced once after the loop
         for i0 in range(0, I, BI):
             i = i0 + tl.arange(0, BI)
             mi = i < I
             a = tl.load(ACT + r * I + i, mask=mi, other=0.0)[None, :]
-            w = tl.load(W2 + wrow + i[None, :], mask=ml[:, None] & mi[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a, axis=1)
-        tl.store(R + dst * L + d, acc * tl.load(WK + dst), mask=ml)
+            acc += tl.load(W2 + wrow + i[None, :], mask=ml[:, None] & mi[None, :], other=0.0).to(tl.float32) * a
+        tl.store(R + dst * L + d, tl.sum(acc, axis=1) * tl.load(WK + dst), mask=ml)
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -265,16 +266,19 @@ def experts(z: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, order: t
     """The routed experts of a few rows in two launches: r [N * k, L] float32 in token-major order (row
     order[j] = wk[order[j]] * w2[e] @ SiTU(w3[e] @ z[t], w1[e] @ z[t]) for sorted row j of expert e = expert[j] and
     token t = token[j]; plugins/moe/cuda.py `_layout` gives order, expert and token). z [N, L]; w1, w3 [E, I, L];
-    w2 [E, L, I], all one float dtype; wk [N * k] float32. Products and the activation in fp32 from the inputs'
+    w2 [E, L, I], all one float dtype, contiguous (z: rows of unit stride); token, expert, order int64 and wk
+    float32, [N * k] contiguous; all on one device. Products and the activation in fp32 from the inputs'
     values (the grouped GEMM path rounds gate, up and act to the weights' dtype in between). None when the kernel
     does not apply (more than MAX_EXPERT_ROWS rows, other layouts or dtypes): the caller takes the grouped GEMMs."""
     M = order.numel()
     if triton is None or not (z.is_cuda or _interpreting()) or not 0 < M <= MAX_EXPERT_ROWS or beta <= 0 \
             or z.dim() != 2 or w1.dim() != 3 or w1.shape != w3.shape or w2.shape != (w1.shape[0], z.shape[1],
                                                                                      w1.shape[1]) \
-            or w1.shape[2] != z.shape[1] or z.dtype not in FLOATS or wk.dtype != torch.float32 or wk.numel() != M \
-            or any(t.dtype != z.dtype or not t.is_contiguous() for t in (w1, w3, w2)) or z.stride(1) != 1 \
-            or any(t.dtype != torch.int64 or t.numel() != M for t in (token, expert, order)):
+            or w1.shape[2] != z.shape[1] or z.dtype not in FLOATS or z.stride(1) != 1 \
+            or any(t.device != z.device for t in (token, expert, order, wk, w1, w3, w2)) \
+            or any(t.dtype != z.dtype or not t.is_contiguous() for t in (w1, w3, w2)) \
+            or any(t.dtype != torch.int64 or t.numel() != M or not t.is_contiguous() for t in (token, expert, order)) \
+            or wk.dtype != torch.float32 or wk.numel() != M or not wk.is_contiguous():
         return None
     L, I = z.shape[1], w1.shape[1]
     out_block, red_block = EXPERT_BLOCKS
@@ -283,7 +287,7 @@ def experts(z: torch.Tensor, token: torch.Tensor, expert: torch.Tensor, order: t
                                                        float(linear_beta), LINEAR=linear_beta > 0, BI=out_block,
                                                        BL=red_block)
     r = torch.empty(M, L, dtype=torch.float32, device=z.device)
-    _experts_down_kernel[(M, triton.cdiv(L, out_block))](act, expert, order, wk.contiguous(), w2, r, L, I,
+    _experts_down_kernel[(M, triton.cdiv(L, out_block))](act, expert, order, wk, w2, r, L, I,
                                                          BL=out_block, BI=red_block)
     return r
 

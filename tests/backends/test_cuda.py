@@ -311,7 +311,7 @@ def test_gpu_coverage_is_in_the_manifest(k31_pair):
 def test_phases_share_one_copy_of_each_weight(k31_pair):
     """The phases' traces name a weight differently (`val_188` in prefill, `val_506` in decode), yet it is one weight:
     weights.bin stores each distinct content once (its size is the distinct bytes plus alignment) and the executor
-    loads it once, both programs holding the same device tensor."""
+    loads it once, both programs holding the same device tensor, which no step writes into."""
     import hashlib
     import json
 
@@ -336,7 +336,9 @@ def test_phases_share_one_copy_of_each_weight(k31_pair):
     distinct = sum(n for _, n in set(where.values()))
     size = (cuda_dir / "graphs" / "weights.bin").stat().st_size
     assert distinct <= size <= distinct + ALIGN * len(content)
-    ex = Executor(cuda_dir, man, device="cpu")
+    sess = load(cuda_dir)
+    ex = sess.backend
+    assert isinstance(ex, Executor)
     ex.preload()
     ptrs = {ph: {t.data_ptr() for t in ex.program(ph).consts.values() if t.numel() * t.element_size() >= 1024}
             for ph in ("prefill", "decode")}
@@ -344,6 +346,10 @@ def test_phases_share_one_copy_of_each_weight(k31_pair):
             if t.numel() * t.element_size() >= 1024}
     assert len(ptrs["prefill"] & ptrs["decode"]) >= 0.9 * len(ptrs["decode"])
     assert len(held) == len(set(where.values()))  # one device tensor per stored weight
+    # and nothing writes into them: a prefill and decode steps leave every weight's bytes as loaded
+    before = {(ph, i): t.clone() for ph in ("prefill", "decode") for i, t in ex.program(ph).consts.items()}
+    sess.generate([p[:6] for p in PROMPTS], 3, stop_at_eos=False)
+    assert all(torch.equal(ex.program(ph).consts[i], t) for (ph, i), t in before.items())
 
 
 def test_bfloat16_graph_runs_with_float32_states(tiny_build, tmp_path):

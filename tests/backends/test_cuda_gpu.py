@@ -55,6 +55,7 @@ def test_tiny_logits_are_within_1e4_of_the_fp32_reference_on_the_gpu(tiny_pair):
     TF32: about 1e-3 here, and it flipped a greedy token of kimi-k3-tiny whose top-1 margin is 0.0011 on H100.)"""
     ort_dir, cuda_dir = tiny_pair
     ref, gpu = load(ort_dir), load(cuda_dir)
+    assert gpu.backend.device.type == "cuda"
     cr, cg = ref.new_cache(len(PROMPTS)), gpu.new_cache(len(PROMPTS))
     lr, lg = ref.prefill_last(PROMPTS, cr), gpu.prefill_last(PROMPTS, cg)
     for step in range(12):

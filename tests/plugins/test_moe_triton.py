@@ -191,7 +191,7 @@ def test_route_and_sum_norm_decline_what_they_do_not_take():
     assert mtk.sum_norm(torch.rand(8, 4), 2, torch.ones(5), 1e-5, torch.float32) is None
 
 
-def _experts_case(N, k, E, L, I, dtype, seed, held=None):
+def _experts_case(N, k, E, L, I, dtype, seed, held=None, linear_beta=25.0):
     """Random routing of N tokens to k of E experts (some experts crowded, some empty), its torch layout, and the
     float64 result of the formula from the same (rounded) values: r [N * k, L] token-major."""
     gen = torch.Generator().manual_seed(seed)
@@ -210,23 +210,27 @@ def _experts_case(N, k, E, L, I, dtype, seed, held=None):
     want = torch.empty(N * k, L, dtype=torch.float64)
     for j in range(N * k):
         e, t, dst = int(expert[j]), int(token[j]), int(order[j])
-        act = mcuda._act(w364[e] @ z64[t], w164[e] @ z64[t], 4.0, 25.0)
+        act = mcuda._act(w364[e] @ z64[t], w164[e] @ z64[t], 4.0, linear_beta)
         want[dst] = float(wk.reshape(-1)[dst]) * (w264[e] @ act)
     return (z, token, expert, order, wk.reshape(-1).float(), w1, w3, w2), want
 
 
 @kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("N", "k", "E", "L", "I", "held"), [(1, 8, 64, 1024, 768, None), (8, 8, 64, 64, 48, None),
-                                                          (3, 2, 10, 200, 37, None), (5, 3, 12, 96, 300, 8),
-                                                          (2, 1, 3, 17, 16, None)])
-def test_experts_match_the_formula(N, k, E, L, I, held, dtype):
+@pytest.mark.parametrize(("N", "k", "E", "L", "I", "held", "linear_beta"),
+                         [(1, 8, 64, 1024, 768, None, 25.0), (8, 8, 64, 64, 48, None, 25.0),
+                          (3, 2, 10, 200, 37, None, 0.0), (5, 3, 12, 96, 300, 8, 25.0), (2, 1, 3, 17, 16, None, 0.0)])
+def test_experts_match_the_formula(N, k, E, L, I, held, linear_beta, dtype):
     """The small-batch experts kernels against the formula in float64 from the same values: products and the
     activation in fp32 (relative error < 1e-5 in either input dtype), every row at its token-major place, rows of
-    experts held elsewhere zero; sizes that are not multiples of the blocks, the 64-row cap, one row per expert and
-    crowded experts."""
-    args, want = _experts_case(N, k, E, L, I, dtype, seed=N * 1000 + E * 10 + L + I, held=held)
-    got = mtk.experts(*(t.to(DEV) for t in args), 4.0, 25.0)
+    experts held elsewhere zero; sizes that are not multiples of the blocks, the 64-row cap, one row per expert,
+    crowded experts, the linear SiTU branch and the plain one (linear_beta 0), z with a row stride above its width."""
+    args, want = _experts_case(N, k, E, L, I, dtype, seed=N * 1000 + E * 10 + L + I, held=held,
+                               linear_beta=linear_beta)
+    args = [t.to(DEV) for t in args]
+    if N > 1:  # z as the columns of a wider matrix (rows of unit stride, a row stride of L + 8)
+        args[0] = torch.cat([args[0], torch.full_like(args[0][:, :8], float("nan"))], 1)[:, :L]
+    got = mtk.experts(*args, 4.0, linear_beta)
     assert got is not None and got.dtype == torch.float32 and got.shape == (N * k, L)
     got = got.cpu().double()
     assert float((got - want).norm() / want.norm()) < 1e-5
@@ -236,13 +240,21 @@ def test_experts_match_the_formula(N, k, E, L, I, held, dtype):
 
 
 def test_experts_decline_what_they_do_not_take():
+    dev = DEV if mtk.triton is not None and (INTERPRET or torch.cuda.is_available()) else "cpu"
     args, _ = _experts_case(9, 8, 64, 32, 16, torch.float32, seed=1)  # 72 rows: over the cap
-    assert mtk.experts(*args, 4.0, 25.0) is None
-    args, _ = _experts_case(2, 2, 4, 32, 16, torch.float32, seed=2)
-    z, token, expert, order, wk, w1, w3, w2 = args
+    assert mtk.experts(*(t.to(dev) for t in args), 4.0, 25.0) is None
+    args, _ = _experts_case(4, 2, 4, 32, 16, torch.float32, seed=2)
+    z, token, expert, order, wk, w1, w3, w2 = (t.to(dev) for t in args)
+    if dev != "cpu" or INTERPRET:
+        assert mtk.experts(z, token, expert, order, wk, w1, w3, w2, 4.0, 25.0) is not None  # the case it takes
+    else:
+        assert mtk.experts(z, token, expert, order, wk, w1, w3, w2, 4.0, 25.0) is None  # CPU tensors: torch form
     assert mtk.experts(z, token, expert, order, wk, w1, w3, w2.to(torch.bfloat16), 4.0, 25.0) is None  # dtypes
-    assert mtk.experts(z, token, expert, order, wk, w1, w3, w2.transpose(1, 2), 4.0, 25.0) is None  # shape
+    assert mtk.experts(z, token, expert, order, wk, w1, w3, w2.transpose(1, 2).contiguous(), 4.0, 25.0) is None
+    assert mtk.experts(z, token, expert, order, wk, w1, w3,
+                       w2.transpose(1, 2).contiguous().transpose(1, 2), 4.0, 25.0) is None  # not contiguous
+    strided = torch.stack([token, token], 1)[:, 0]  # int64 of the right length, every other element
+    assert mtk.experts(z, strided, expert, order, wk, w1, w3, w2, 4.0, 25.0) is None
+    assert mtk.experts(z, token, expert, order, wk.double(), w1, w3, w2, 4.0, 25.0) is None  # routing weights
     assert mtk.experts(z, token, expert, order, wk, w1, w3, w2, 0.0, 25.0) is None  # beta
-    if not INTERPRET:
-        assert mtk.experts(*args, 4.0, 25.0) is None  # CPU tensors outside the interpreter: the caller's torch form
 

@@ -103,6 +103,9 @@ def _from_reference(a: Any, like: ir.Value, device: torch.device) -> torch.Tenso
     return t.to(want) if want is not None and t.dtype != want else t
 
 
+_MAY_VIEW = onnx_ops.VIEWS | {"Slice", "Transpose", "Expand"}  # ops whose output may share their input's bytes
+
+
 def _weight_key(v: ir.Value) -> tuple | None:
     """Where an external initializer's bytes live and how they are read (None for inline data): equal keys are the
     same tensor (the artifact writer stores each distinct weight once: serialize.py)."""
@@ -211,7 +214,7 @@ class Program:
 
     def _check_inplace(self) -> None:
         """An in-place output may alias its input only if nothing reads that input after the step and the input is
-        not a weight."""
+        not a weight nor a view of one."""
         last_use: dict[int, int] = {}
         for s in self.steps:
             for i in s.inputs:
@@ -219,9 +222,13 @@ class Program:
                     last_use[i] = s.index
         for _, i in self.outputs:
             last_use[i] = len(self.steps)
+        weights = set(self.consts)  # weights and what may view their bytes: the next run (and other phases) read them
         for s in self.steps:
-            for o, i in list(s.inplace.items()):  # never into a weight: the next run (and other phases) read it
-                if s.inputs[i] is None or s.inputs[i] in self.consts or last_use.get(s.inputs[i], -1) > s.index:
+            if s.op in _MAY_VIEW and s.inputs and s.inputs[0] in weights:
+                weights.update(o for o in s.outputs if o is not None)
+        for s in self.steps:
+            for o, i in list(s.inplace.items()):
+                if s.inputs[i] is None or s.inputs[i] in weights or last_use.get(s.inputs[i], -1) > s.index:
                     del s.inplace[o]
                     if s.impl != "reference":  # the kernel writes in place regardless: copy the input first
                         s.fn = _copy_first(s.fn, i)
