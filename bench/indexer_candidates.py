@@ -12,7 +12,6 @@ On a GPU the kernel runs as compiled; on a CPU it needs TRITON_INTERPRET=1 and a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import e2e_gpu  # noqa: E402
 from e2e_gpu import fill_caches, meta  # noqa: E402
+from run_info import write_result  # noqa: E402
 
 from kimi_compile.plugins.indexer_topk import cuda as icuda  # noqa: E402
 from kimi_compile.plugins.indexer_topk import triton as itk  # noqa: E402
@@ -97,10 +97,7 @@ def main() -> None:
                 rows.append({"context": ctx, "call": i, **r})
                 print(rows[-1], flush=True)
     out = {**meta(), "artifact": a.artifact, "device_kind": dev, "rows": rows}
-    tmp = a.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(tmp, a.out)
+    write_result(a.out, out)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ Per step: relative error of the last-token logits, the reference's top-1 margin 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import kimi_compile.model.primitives as primitives  # noqa: E402
 from kimi_compile.runtime import load  # noqa: E402
-from run_info import run_info  # noqa: E402
+from run_info import run_info, write_result  # noqa: E402
 
 PROMPTS = [[5, 17, 3, 99, 250, 7, 12, 40, 41, 8, 300, 2, 77], [9, 8, 7], [400, 1, 2, 3, 4, 5, 6]]
 
@@ -88,9 +86,7 @@ def main() -> None:
             errs = [r["rel_err"] for r in row[mode]]
             print(row["cuda"], mode, f"rel err {min(errs):.2e} .. {max(errs):.2e}", flush=True)
         res["rows"].append(row)
-    tmp = a.out + ".tmp"
-    Path(tmp).write_text(json.dumps(res, indent=1))
-    os.replace(tmp, a.out)
+    write_result(a.out, res)
 
 
 if __name__ == "__main__":

@@ -96,6 +96,15 @@ def run_info(*packages: str) -> dict:
             **commit(), "device": device(), "versions": versions(*packages)}
 
 
+def write_result(path: str, res: dict) -> None:
+    """The result as indented JSON at `path`, through a temporary file (a reader never sees half of it)."""
+    import json
+
+    tmp = path + ".tmp"
+    Path(tmp).write_text(json.dumps(res, indent=1))
+    os.replace(tmp, path)
+
+
 def per_artifact(check, packages: tuple[str, ...], description: str, extra=None) -> None:
     """The main of a benchmark over artifacts: `SCRIPT ART [ART ...] --out FILE`; each artifact's `check(art)` row
     (or its error: the next artifact still runs) printed and collected under "rows" beside run_info(*packages) and
@@ -117,6 +126,4 @@ def per_artifact(check, packages: tuple[str, ...], description: str, extra=None)
             row = {"artifact": Path(art.rstrip("/")).name, "error": f"{type(e).__name__}: {str(e)[:600]}"}
         print(json.dumps(row), flush=True)
         res["rows"].append(row)
-    tmp = a.out + ".tmp"
-    Path(tmp).write_text(json.dumps(res, indent=1))
-    os.replace(tmp, a.out)
+    write_result(a.out, res)

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from run_info import run_info
+from run_info import run_info, write_result
 
 from kimi_compile.backends.cuda import Executor, options
 from kimi_compile.config import preset
@@ -186,9 +185,7 @@ def main() -> None:
                    "extra_us_per_step": round(spec["host_us_per_step"] - plain["host_us_per_step"], 1)}
             print(json.dumps(row), flush=True)
             res["rows"].append(row)
-    tmp = a.out + ".tmp"
-    Path(tmp).write_text(json.dumps(res, indent=1))
-    os.replace(tmp, a.out)
+    write_result(a.out, res)
 
 
 if __name__ == "__main__":
