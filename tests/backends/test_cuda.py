@@ -352,6 +352,28 @@ def test_phases_share_one_copy_of_each_weight(k31_pair):
     assert all(torch.equal(ex.program(ph).consts[i], t) for (ph, i), t in before.items())
 
 
+def test_node_check_runs_and_finds_the_cpu_kernels_at_rounding_level(k31_pair, tmp_path):
+    """bench/node_check.py (the GPU runs' node-by-node check) on CPU tensors, as a user runs it: every kimi.* node's
+    kernel within 1e-5 of its reference on the same inputs, top-k index sets equal, and the whole steps within 1e-5
+    (the script broke once, unnoticed, when kernels started taking out= slots)."""
+    import json
+    import subprocess
+    import sys
+
+    _, cuda_dir = k31_pair
+    out = tmp_path / "node_check.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "node_check.py"), str(cuda_dir), "--out", str(out),
+                    "--prompt", "16"], check=True, capture_output=True, timeout=600)
+    res = json.loads(out.read_text())
+    rows = [o for r in res["nodes"] for o in r["outputs"]]
+    assert {r["phase"] for r in res["nodes"]} == {"prefill", "decode", "prefill (continued, start > 0)"}
+    assert rows and all(o["finite"] and o["rel_err"] < 1e-5 for o in rows if "rel_err" in o)
+    assert all(o["index_overlap_min"] == 1.0 for o in rows if "index_overlap_min" in o)
+    assert any("index_overlap_min" in o for o in rows)  # the indexer's top-k was compared
+    steps = [*res["whole_step"], res["continued_vs_whole_prefill"]]
+    assert all(s["rel_err"] < 1e-5 and s["top1_agree"] == 1.0 for s in steps)
+
+
 def test_bfloat16_graph_runs_with_float32_states(tiny_build, tmp_path):
     """model.dtype bfloat16 + convert_dtype: weights and activations bf16, KDA states and logits float32."""
     recipe = with_overrides(tiny_build[0], backend="cuda", target="cuda")
