@@ -21,8 +21,9 @@ def weights_file(phase: str) -> str:
 
 def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
     """Serialize the graphs with shared external weights; returns {phase: {"file", "weights"},
-    "_shared_initializers": n (initializers that found their bytes already written, in any phase)}. Initializers are shared by content: the phases' traces name the same weight
-    differently (`val_188` in one, `val_506` in the other), so a name would miss most of them."""
+    "_shared_initializers": n (initializers whose bytes were already written, in any phase)}. Initializers are
+    shared by content: the phases' traces name one weight differently (`val_188` in one, `val_506` in the other), so
+    a name would miss most of them."""
     gdir = Path(out_dir) / "graphs"
     gdir.mkdir(parents=True, exist_ok=True)
     shared = 0
@@ -47,7 +48,7 @@ def write_graphs(graphs: dict, out_dir: Path) -> dict[str, Any]:
 
 
 def _write_weights(graphs: dict, phases: list[str], gdir: Path, weights: str) -> tuple[int, dict[str, int]]:
-    """Writes the initializers of `phases` into `weights`; (tensors shared between the phases, the bytes the
+    """Writes the initializers of `phases` into `weights`; (initializers whose bytes were already written, the bytes the
     phases hold: {"sharded": a partition pass's slices (kimi.shard metadata), "replicated": the rest}, each distinct
     content once, small inline constants included)."""
     import onnx_ir as ir

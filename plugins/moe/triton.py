@@ -11,8 +11,9 @@ in a CUDA-graph decode step each is a launch. tanh is computed from exp (|x| >= 
 Also the router's selection after its sigmoid (`route`: top-k of s + bias with ties to the lower expert, the
 weights gathered, renormalized and scaled; 7 torch operations) and the routed path's sum over the k experts with the
 RMSNorm that follows it (`sum_norm`: 9 operations), and the grouped GEMMs' row layout (`layout`: the rows sorted by
-expert, stable, with the per-expert row ends, 8 operations), one launch each; all three return None where they
-do not apply.
+expert, stable, with the per-expert row ends, 8 operations), one launch each; and for a few rows (decode at small
+batches) the routed experts themselves in two launches (`experts`, in place of three grouped GEMMs, a gather, a
+weighting and a scatter). All four return None where they do not apply.
 
 `situ(u, g, beta, linear_beta, dtype)` refuses (ValueError naming the field) what the kernel does not take;
 `unsupported(u, g)` says why without raising (None when it applies). Runs on CUDA tensors, or on CPU tensors under
