@@ -43,10 +43,10 @@ from kimi_compile.runtime import load  # noqa: E402
 
 def two_programs(art: str):
     """One session whose decode program can be swapped: the artifact's stream plan, and the same graph on one
-    stream (weights loaded twice; caches shared)."""
+    stream (weights and caches shared: the executor keeps one device copy of each weight)."""
     sess = load(art)
     on = sess.backend.program("decode")
-    sess.backend.streams = False  # drops the programs built at load: the next one is built on one stream
+    sess.backend.streams = False  # drops the programs built at load (not the weights): the next one is on one stream
     off = sess.backend.program("decode")
     sess.backend._programs["decode"] = on
     return sess, {"streams": on, "one stream": off}
