@@ -64,7 +64,8 @@ def peak_gib() -> float | None:
 
 def reset_peak() -> None:
     """The peak from now on, of what this case holds: the previous case's session (unreachable, but in reference
-    cycles until the collector runs) is freed first, or it would count (r11's B=8 peak 11.83 GiB beside 8.90 GiB)."""
+    cycles until the collector runs) is freed first, or it could count: the likely cause of r11's B=8 peaks, 11.83 GiB
+    in one process and 8.90 GiB in the next on the same artifact; with this both forms read 9.34 GiB on the H100."""
     if DEV == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
