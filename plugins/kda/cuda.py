@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from kimi_compile.lowering import Kernel, out_slot
 
 # (ids of the parts, dim) -> (weak references to the parts, their concatenation): made once per weight set (outside
-# any CUDA-graph capture); an entry whose weights died (an id reused by a new tensor) is remade. Keyed by every part:
-# a weight stored once may be a part of several sets (the artifact stores equal bytes once)
+# any CUDA-graph capture). Keyed by every part: a weight stored once may be a part of several sets (the artifact
+# stores equal bytes once). A miss first drops the entries whose weights died (a session unloaded), so their
+# concatenations do not outlive them, and an id reused by a new tensor never finds a stale entry
 _FUSED: dict[tuple, tuple[tuple, torch.Tensor]] = {}
 
 
@@ -29,6 +30,8 @@ def _cat_once(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     key = (*map(id, parts), dim)
     hit = _FUSED.get(key)
     if hit is None or any(r() is not t for r, t in zip(hit[0], parts)):
+        for k in [k for k, (refs, _) in _FUSED.items() if any(r() is None for r in refs)]:
+            del _FUSED[k]
         hit = _FUSED[key] = (tuple(weakref.ref(t) for t in parts), torch.cat(parts, dim))
     return hit[1]
 

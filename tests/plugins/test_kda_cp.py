@@ -107,3 +107,24 @@ def test_without_the_true_initial_state_it_differs():
     a, e = bounds[0][1]
     assert not torch.allclose(o[0, : e - a], ref_out[0, a:e], rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(ranks[1][0][0, : e - a], ref_out[0, a:e], rtol=1e-4, atol=1e-5)
+
+
+def test_fused_weights_die_with_their_parts():
+    """plugins/kda/cuda.py `_cat_once`: a weight set's concatenation is made once while its parts live, and a later
+    miss drops the entries of parts that died (a session unloaded), so a process that loads sessions in turn holds
+    only the live sessions' concatenations."""
+    import gc
+
+    from kimi_compile.plugins.kda import cuda as kcuda
+
+    parts = [torch.randn(4, 3), torch.randn(4, 3)]
+    first = kcuda._cat_once(parts, 1)
+    assert kcuda._cat_once(parts, 1) is first and torch.equal(first, torch.cat(parts, 1))
+    assert kcuda._cat_once(parts, 0) is not first  # the dim is part of the key
+    dead = (*map(id, parts), 1)
+    del parts, first
+    gc.collect()
+    other = [torch.randn(2, 3), torch.randn(5, 3)]
+    assert torch.equal(kcuda._cat_once(other, 0), torch.cat(other, 0))
+    assert dead not in kcuda._FUSED
+    assert all(r() is not None for refs, _ in kcuda._FUSED.values() for r in refs)
