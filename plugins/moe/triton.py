@@ -256,8 +256,8 @@ def sum_norm(r: torch.Tensor, k: int, weight: torch.Tensor, eps: float, dtype: t
     return out
 
 
-MAX_EXPERT_ROWS = 64  # N * k of the small-batch experts kernels (decode at B <= 8 with k = 8: about one row per
-# expert, so a row-at-a-time product reads each expert's weights once); more rows take the grouped GEMM
+MAX_EXPERT_ROWS = 64  # N * k of the small-batch experts kernels (decode at B <= 8 with k = 8); more rows take the
+# grouped GEMM. Measured against it up to this cap: docs/cuda_backend.md "The experts of a small batch"
 EXPERT_BLOCKS = (16, 256)  # (outputs, reduction) of a program's tile in both kernels
 
 
