@@ -7,10 +7,11 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda ba
   delta correction, rank-1 update and readout in registers and writes the slice back in place. Optional in-kernel L2
   norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid. BV = 32 below 1024
   (sequence, head) pairs, 64 from there (at most V).
-- `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (H, T / 64, B), heads fastest: conv over
-  [carried window | u] (the window advanced in place by the first tile's program) + SiLU for q/k/v, L2 norm of q/k
-  (q scaled), beta sigmoid, the gate input f set to -inf in place on padding rows (the gate itself is computed in
-  fla's chunk_kda).
+- `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (head blocks, spans of 32..512 tokens, B):
+  a program walks its span token by token over 1024 channels (8 heads of 128) of each of q / k / v, the conv's three
+  previous rows carried in registers (each element of u loaded once), conv over [carried window | u] (the window
+  advanced in place by the first span's program) + SiLU for q/k/v, L2 norm of q/k (q scaled), beta sigmoid, the gate
+  input f set to -inf in place on padding rows (the gate itself is computed in fla's chunk_kda).
 - `kda_decode_prepare`: one decode token's delta-rule inputs in one launch: conv over the carried window (advanced in
   place) + SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate and beta sigmoid, zeroed on padding rows.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
@@ -65,74 +66,145 @@ if triton is not None:
         tl.store(O + bh * DV + dv, o.to(O.dtype.element_ty))
 
     @triton.jit
-    def _conv_tile(U, CS, CW, bid, t, col, tm, su_b, su_t, scs_b, scs_t):
-        # y[t, c] = silu(sum_j w[c, j] x[t - 3 + j, c]) over [carried window | u]: times t - 3 + j < 0 read the
-        # window (rows 0..2). In u's dtype, as the torch form (conv1d of the cast window and weights, then SiLU in
-        # it): the four products accumulate in fp32, the sum and the SiLU round to u's dtype.
-        acc = tl.zeros([t.shape[0], col.shape[0]], tl.float32)
-        for j in tl.static_range(4):
-            tt = t - 3 + j
-            inu = tt >= 0
-            x = tl.load(U + bid * su_b + tt[:, None] * su_t + col[None, :], mask=(tm & inu)[:, None], other=0.0)
-            w = tl.load(CS + bid * scs_b + (tt + 3)[:, None] * scs_t + col[None, :], mask=(tm & ~inu)[:, None],
-                        other=0.0).to(x.dtype)
-            cw = tl.load(CW + col * 4 + j).to(x.dtype).to(tl.float32)
-            acc += tl.where(inu[:, None], x, w).to(tl.float32) * cw[None, :]
-        y = acc.to(U.dtype.element_ty).to(tl.float32)
-        return (y * tl.sigmoid(y)).to(U.dtype.element_ty).to(tl.float32)
+    def _concat_row(U, CS, bid, m, ch, cm, su_b, su_t, scs_b, scs_t):
+        # row m of [carried window | u] over the channels ch (m < 3: the window, cast to u's dtype as the torch
+        # form's cat does)
+        fromw = (ch * 0 + m) < 3  # (a scalar & a tensor mask: int32 in Triton's interpreter, which refuses it)
+        w = tl.load(CS + bid * scs_b + m * scs_t + ch, mask=cm & fromw, other=0.0)
+        x = tl.load(U + bid * su_b + (m - 3) * su_t + ch, mask=cm & ~fromw, other=0.0)
+        return tl.where(fromw, w.to(x.dtype), x)
 
     @triton.jit
-    def _window_src(U, CS, bid, j, col, m, su_b, su_t, scs_b, scs_t):
-        # row j of [carried window | u] (j < 3: the window, cast through u's dtype as the torch form's cat does)
-        fromw = j < 3
-        w = tl.load(CS + bid * scs_b + j[:, None] * scs_t + col[None, :], mask=(m & fromw)[:, None], other=0.0)
-        x = tl.load(U + bid * su_b + (j - 3)[:, None] * su_t + col[None, :], mask=(m & ~fromw)[:, None], other=0.0)
-        return tl.where(fromw[:, None], w.to(x.dtype), x)
+    def _taps(CW, ch, cm, dt: tl.constexpr):
+        # the four conv taps of the channels ch, rounded to u's dtype as the torch form's conv1d takes them
+        w0 = tl.load(CW + ch * 4 + 0, mask=cm, other=0.0).to(dt).to(tl.float32)
+        w1 = tl.load(CW + ch * 4 + 1, mask=cm, other=0.0).to(dt).to(tl.float32)
+        w2 = tl.load(CW + ch * 4 + 2, mask=cm, other=0.0).to(dt).to(tl.float32)
+        w3 = tl.load(CW + ch * 4 + 3, mask=cm, other=0.0).to(dt).to(tl.float32)
+        return w0, w1, w2, w3
 
     @triton.jit
-    def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OB, T, su_b, su_t, scs_b, scs_t, sf_b, sf_t,
-                                sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, BT: tl.constexpr):
-        # heads vary fastest over the grid (with 64-token tiles the fastest of the four layouts measured:
-        # docs/kernels/kda.md)
-        h = tl.program_id(0)
-        it = tl.program_id(1)
-        bid = tl.program_id(2).to(tl.int64)
-        t = it * BT + tl.arange(0, BT)
-        tm = t < T
-        dd = tl.arange(0, D)
-        c = h * D + dd
-        P = H * D
-        n = tl.minimum(tl.load(LEN + bid).to(tl.int32), T)
-        valid = tm & (t < n)
-        # the new window (rows n, n+1, n+2 of [window | u]) of this head's channels; only the first tile reads the
-        # old window (BT >= 3), so its program loads these before anything is stored and writes them last
-        i = tl.arange(0, 4)
-        wm = (i < 3) & (tl.full([4], it, tl.int32) == 0)
-        nq = _window_src(U, CS, bid, n + i, c, wm, su_b, su_t, scs_b, scs_t)
-        nk = _window_src(U, CS, bid, n + i, P + c, wm, su_b, su_t, scs_b, scs_t)
-        nv = _window_src(U, CS, bid, n + i, 2 * P + c, wm, su_b, su_t, scs_b, scs_t)
-        orow = ((bid * T + t[:, None]) * H + h) * D + dd[None, :]
-        q = _conv_tile(U, CS, CW, bid, t, c, tm, su_b, su_t, scs_b, scs_t)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + l2_eps) * scale)[:, None]
-        tl.store(OQ + orow, q.to(OQ.dtype.element_ty), mask=tm[:, None])
-        k = _conv_tile(U, CS, CW, bid, t, P + c, tm, su_b, su_t, scs_b, scs_t)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + l2_eps)[:, None]
-        tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=tm[:, None])
-        v = _conv_tile(U, CS, CW, bid, t, 2 * P + c, tm, su_b, su_t, scs_b, scs_t)
-        tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=tm[:, None])
+    def _conv_silu(a, b, c, x, w0, w1, w2, w3):
+        # silu(w0 a + w1 b + w2 c + w3 x) for the rows t - 3 .. t of [window | u]: the four products accumulate in
+        # fp32 in this order, the sum and the SiLU round to u's dtype (the torch form's conv1d and SiLU in it)
+        acc = tl.zeros(x.shape, tl.float32)
+        acc += a.to(tl.float32) * w0
+        acc += b.to(tl.float32) * w1
+        acc += c.to(tl.float32) * w2
+        acc += x.to(tl.float32) * w3
+        y = acc.to(x.dtype).to(tl.float32)
+        return (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
+
+    @triton.jit
+    def _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t, t1, n, T, ch, cm, hh, hm, su_b, su_t, sf_b, sf_t, sb_b, sb_t, P,
+                 H: tl.constexpr):
+        # token t of the span (masked past its end t1): loads its q / k / v inputs and its beta input, stores the
+        # gate input's -inf on padding rows (t >= n) and beta; returns the loads and where to write q / k / v
+        rm = cm & ((ch * 0 + t) < t1)  # (a scalar & a tensor mask: int32 in Triton's interpreter, which refuses it)
+        ub = U + bid * su_b + t * su_t
+        xq = tl.load(ub + ch, mask=rm, other=0.0)
+        xk = tl.load(ub + P + ch, mask=rm, other=0.0)
+        xv = tl.load(ub + 2 * P + ch, mask=rm, other=0.0)
+        hr = hm & ((hh * 0 + t) < t1)
+        braw = tl.load(BP + bid * sb_b + t * sb_t + hh, mask=hr, other=0.0).to(tl.float32)
         # the gate's input set to -inf on padding rows, in place (valid rows are not touched, so a call without
         # padding moves no f bytes): fla's in-kernel safe gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) is
         # then exactly 0 there, so the state does not decay
-        pad = tm & ~valid
-        tl.store(FP + bid * sf_b + t[:, None] * sf_t + c[None, :],
-                 tl.full([BT, D], float("-inf"), FP.dtype.element_ty), mask=pad[:, None])
-        braw = tl.load(BP + bid * sb_b + t * sb_t + h, mask=tm, other=0.0).to(tl.float32)
-        tl.store(OB + (bid * T + t) * H + h, tl.sigmoid(braw) * valid.to(tl.float32), mask=tm)
-        tl.debug_barrier()
-        wp = CS + bid * scs_b + i[:, None] * scs_t
-        tl.store(wp + c[None, :], nq.to(CS.dtype.element_ty), mask=wm[:, None])
-        tl.store(wp + P + c[None, :], nk.to(CS.dtype.element_ty), mask=wm[:, None])
-        tl.store(wp + 2 * P + c[None, :], nv.to(CS.dtype.element_ty), mask=wm[:, None])
+        tl.store(FP + bid * sf_b + t * sf_t + ch, tl.full(ch.shape, float("-inf"), FP.dtype.element_ty),
+                 mask=rm & ((ch * 0 + t) >= n))
+        tl.store(OB + (bid * T + t) * H + hh, tl.sigmoid(braw) * (t < n).to(tl.float32), mask=hr)
+        return xq, xk, xv, (bid * T + t) * P + ch, rm
+
+    @triton.jit
+    def _pre_out(OQ, OK, OV, orow, rm, aq, bq, cq, xq, ak, bk, ck, xk, av, bv, cv, xv, wq0, wq1, wq2, wq3, wk0, wk1,
+                 wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps):
+        # one token's q (L2-normalised, times scale), k (L2-normalised) and v from its conv rows
+        q = _conv_silu(aq, bq, cq, xq, wq0, wq1, wq2, wq3)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + l2_eps) * scale)[:, None]
+        tl.store(OQ + orow, q.to(OQ.dtype.element_ty), mask=rm)
+        k = _conv_silu(ak, bk, ck, xk, wk0, wk1, wk2, wk3)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + l2_eps)[:, None]
+        tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=rm)
+        v = _conv_silu(av, bv, cv, xv, wv0, wv1, wv2, wv3)
+        tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=rm)
+
+    @triton.jit
+    def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OB, T, span, su_b, su_t, scs_b, scs_t, sf_b,
+                                sf_t, sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
+                                ROWS: tl.constexpr):
+        # grid (head blocks of NH, spans of `span` tokens, sequences): a program walks its span ROWS (1, 2 or 4)
+        # tokens a step over NH heads' channels of q, k and v, the loads of a step's tokens issued together and the
+        # conv's three previous rows carried in registers, so each element of u is loaded once (plus three rows of
+        # warm-up per span)
+        hb = tl.program_id(0)
+        sp = tl.program_id(1)
+        bid = tl.program_id(2).to(tl.int64)
+        hh = hb * NH + tl.arange(0, NH)
+        hm = hh < H
+        ch = hh[:, None] * D + tl.arange(0, D)[None, :]  # [NH, D] channels of q (k: P + ch, v: 2 P + ch)
+        cm = ch < H * D
+        P = H * D
+        dt = U.dtype.element_ty
+        n = tl.minimum(tl.load(LEN + bid).to(tl.int32), T)
+        t0 = sp * span
+        t1 = tl.minimum(t0 + span, T)
+        wq0, wq1, wq2, wq3 = _taps(CW, ch, cm, dt)
+        wk0, wk1, wk2, wk3 = _taps(CW, P + ch, cm, dt)
+        wv0, wv1, wv2, wv3 = _taps(CW, 2 * P + ch, cm, dt)
+        # rows t0 - 3 .. t0 - 1 of u (of the carried window for the first span)
+        aq = _concat_row(U, CS, bid, t0, ch, cm, su_b, su_t, scs_b, scs_t)
+        bq = _concat_row(U, CS, bid, t0 + 1, ch, cm, su_b, su_t, scs_b, scs_t)
+        cq = _concat_row(U, CS, bid, t0 + 2, ch, cm, su_b, su_t, scs_b, scs_t)
+        ak = _concat_row(U, CS, bid, t0, P + ch, cm, su_b, su_t, scs_b, scs_t)
+        bk = _concat_row(U, CS, bid, t0 + 1, P + ch, cm, su_b, su_t, scs_b, scs_t)
+        ck = _concat_row(U, CS, bid, t0 + 2, P + ch, cm, su_b, su_t, scs_b, scs_t)
+        av = _concat_row(U, CS, bid, t0, 2 * P + ch, cm, su_b, su_t, scs_b, scs_t)
+        bv = _concat_row(U, CS, bid, t0 + 1, 2 * P + ch, cm, su_b, su_t, scs_b, scs_t)
+        cv = _concat_row(U, CS, bid, t0 + 2, 2 * P + ch, cm, su_b, su_t, scs_b, scs_t)
+        for t in range(t0, t1, ROWS):
+            xq0, xk0, xv0, o0, m0 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t, t1, n, T, ch, cm, hh, hm, su_b, su_t,
+                                             sf_b, sf_t, sb_b, sb_t, P, H)
+            if ROWS >= 2:
+                xq1, xk1, xv1, o1, m1 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t + 1, t1, n, T, ch, cm, hh, hm, su_b,
+                                                 su_t, sf_b, sf_t, sb_b, sb_t, P, H)
+            if ROWS == 4:
+                xq2, xk2, xv2, o2, m2 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t + 2, t1, n, T, ch, cm, hh, hm, su_b,
+                                                 su_t, sf_b, sf_t, sb_b, sb_t, P, H)
+                xq3, xk3, xv3, o3, m3 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t + 3, t1, n, T, ch, cm, hh, hm, su_b,
+                                                 su_t, sf_b, sf_t, sb_b, sb_t, P, H)
+            _pre_out(OQ, OK, OV, o0, m0, aq, bq, cq, xq0, ak, bk, ck, xk0, av, bv, cv, xv0, wq0, wq1, wq2, wq3, wk0,
+                     wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
+            if ROWS == 1:
+                aq, bq, cq = bq, cq, xq0
+                ak, bk, ck = bk, ck, xk0
+                av, bv, cv = bv, cv, xv0
+            else:
+                _pre_out(OQ, OK, OV, o1, m1, bq, cq, xq0, xq1, bk, ck, xk0, xk1, bv, cv, xv0, xv1, wq0, wq1, wq2, wq3,
+                         wk0, wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
+                if ROWS == 2:
+                    aq, bq, cq = cq, xq0, xq1
+                    ak, bk, ck = ck, xk0, xk1
+                    av, bv, cv = cv, xv0, xv1
+                else:
+                    _pre_out(OQ, OK, OV, o2, m2, cq, xq0, xq1, xq2, ck, xk0, xk1, xk2, cv, xv0, xv1, xv2, wq0, wq1,
+                             wq2, wq3, wk0, wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
+                    _pre_out(OQ, OK, OV, o3, m3, xq0, xq1, xq2, xq3, xk0, xk1, xk2, xk3, xv0, xv1, xv2, xv3, wq0, wq1,
+                             wq2, wq3, wk0, wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
+                    aq, bq, cq = xq1, xq2, xq3
+                    ak, bk, ck = xk1, xk2, xk3
+                    av, bv, cv = xv1, xv2, xv3
+        # the new window: rows n, n + 1, n + 2 of [window | u], written by the first span's program (the only one
+        # that reads the old window), all three loaded before any is stored
+        first = cm & ((ch * 0 + sp) == 0)
+        wb = CS + bid * scs_b
+        for o in tl.static_range(3):
+            n0 = _concat_row(U, CS, bid, n, o * P + ch, first, su_b, su_t, scs_b, scs_t)
+            n1 = _concat_row(U, CS, bid, n + 1, o * P + ch, first, su_b, su_t, scs_b, scs_t)
+            n2 = _concat_row(U, CS, bid, n + 2, o * P + ch, first, su_b, su_t, scs_b, scs_t)
+            tl.debug_barrier()
+            tl.store(wb + o * P + ch, n0.to(CS.dtype.element_ty), mask=first)
+            tl.store(wb + scs_t + o * P + ch, n1.to(CS.dtype.element_ty), mask=first)
+            tl.store(wb + 2 * scs_t + o * P + ch, n2.to(CS.dtype.element_ty), mask=first)
 
     @triton.jit
     def _kda_post_kernel(O, GATE, W, OUT, n_rows, eps, H: tl.constexpr, D: tl.constexpr, BR: tl.constexpr):
@@ -314,6 +386,29 @@ def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, 
     return oq, ok, ov, og, ob
 
 
+PRE_CHANNELS = 1024  # channels of q (and of k, v) per pre-kernel program and token: NH = PRE_CHANNELS / D heads
+PRE_PER_THREAD = 4  # of them per thread (the warps: PRE_CHANNELS / (32 PRE_PER_THREAD))
+PRE_ROWS = 4  # tokens a step (1, 2 or 4): their loads issued together
+PRE_PROGS_PER_SM, PRE_SPAN_MIN, PRE_SPAN_MAX = 8, 32, 512  # tokens per program: the longest span in [MIN, MAX]
+# (powers of two) that still gives PRE_PROGS_PER_SM programs per SM
+
+
+def _num_sms(device) -> int:
+    if torch.device(device).type != "cuda":
+        return 132  # the interpreter: an H100's / H200's count, so CPU tests take the GPU's spans
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pre_shape(B: int, T: int, H: int, D: int, nsm: int) -> tuple[int, int, int]:
+    """(heads per program, tokens per program, warps) of `_kda_prefill_pre_kernel`."""
+    nh = min(triton.next_power_of_2(H), max(1, PRE_CHANNELS // D))
+    warps = max(1, min(8, nh * D // (32 * PRE_PER_THREAD)))
+    span = PRE_SPAN_MAX
+    while span > PRE_SPAN_MIN and B * triton.cdiv(H, nh) * triton.cdiv(T, span) < PRE_PROGS_PER_SM * nsm:
+        span //= 2
+    return nh, span, warps
+
+
 def prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths) -> str | None:
     """Why `kda_prefill_prepare` does not take these inputs, naming the field; None when it does."""
     if b.dim() != 3:
@@ -322,8 +417,9 @@ def prefill_prepare_unsupported(u, conv_state, conv_w, f, b, lengths) -> str | N
     if why is not None:
         return why
     B, T, _ = u.shape
-    if B > 65535 or triton.cdiv(T, 64) > 65535:  # the grid's z (sequences) and y (64-token tiles) limits
-        return f"kda_prefill_prepare: at most 65535 sequences and 65535 * 64 tokens, got u {tuple(u.shape)}"
+    if B > 65535 or triton.cdiv(T, PRE_SPAN_MIN) > 65535:  # the grid's z (sequences) and y (spans) limits
+        return (f"kda_prefill_prepare: at most 65535 sequences and 65535 * {PRE_SPAN_MIN} tokens, got u "
+                f"{tuple(u.shape)}")
     if max(T * u.stride(1), T * f.stride(1), T * b.stride(1)) >= 2 ** 31:  # in-row offsets are int32 in the kernel
         return (f"kda_prefill_prepare: T x row stride must stay below 2^31 (int32 offsets), got T={T}, strides "
                 f"u {u.stride(1)}, f {f.stride(1)}, b {b.stride(1)}")
@@ -350,11 +446,11 @@ def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l
     oq = torch.empty(B, T, H, D, dtype=u.dtype, device=dev)
     ok, ov = torch.empty_like(oq), torch.empty_like(oq)
     ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    bt = 64
-    _kda_prefill_pre_kernel[(H, triton.cdiv(T, bt), B)](
-        u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, ob, T,
+    nh, span, warps = _pre_shape(B, T, H, D, _num_sms(dev))
+    _kda_prefill_pre_kernel[(triton.cdiv(H, nh), triton.cdiv(T, span), B)](
+        u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, ob, T, span,
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), f.stride(0), f.stride(1), b.stride(0),
-        b.stride(1), scale, l2_eps, H=H, D=D, BT=bt, num_warps=4)
+        b.stride(1), scale, l2_eps, H=H, D=D, NH=nh, ROWS=PRE_ROWS, num_warps=warps)
     return oq, ok, ov, f.view(B, T, H, D), ob
 
 
