@@ -8,7 +8,7 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda ba
   norm of q/k, safe gate (lower_bound * sigmoid(exp(A_log) * (f + dt_bias))) and beta sigmoid. BV = 32 below 1024
   (sequence, head) pairs, 64 from there (at most V).
 - `kda_prefill_prepare`: T tokens' delta-rule inputs in one launch, grid (head blocks, spans of 32..512 tokens, B):
-  a program walks its span token by token over 1024 channels (8 heads of 128) of each of q / k / v, the conv's three
+  a program walks its span token by token over 512 channels (4 heads of 128) of each of q / k / v, the conv's three
   previous rows carried in registers (each element of u loaded once), conv over [carried window | u] (the window
   advanced in place by the first span's program) + SiLU for q/k/v, L2 norm of q/k (q scaled), beta sigmoid, the gate
   input f set to -inf in place on padding rows (the gate itself is computed in fla's chunk_kda).
@@ -96,46 +96,11 @@ if triton is not None:
         return (y * tl.sigmoid(y)).to(x.dtype).to(tl.float32)
 
     @triton.jit
-    def _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t, t1, n, T, ch, cm, hh, hm, su_b, su_t, sf_b, sf_t, sb_b, sb_t, P,
-                 H: tl.constexpr):
-        # token t of the span (masked past its end t1): loads its q / k / v inputs and its beta input, stores the
-        # gate input's -inf on padding rows (t >= n) and beta; returns the loads and where to write q / k / v
-        rm = cm & ((ch * 0 + t) < t1)  # (a scalar & a tensor mask: int32 in Triton's interpreter, which refuses it)
-        ub = U + bid * su_b + t * su_t
-        xq = tl.load(ub + ch, mask=rm, other=0.0)
-        xk = tl.load(ub + P + ch, mask=rm, other=0.0)
-        xv = tl.load(ub + 2 * P + ch, mask=rm, other=0.0)
-        hr = hm & ((hh * 0 + t) < t1)
-        braw = tl.load(BP + bid * sb_b + t * sb_t + hh, mask=hr, other=0.0).to(tl.float32)
-        # the gate's input set to -inf on padding rows, in place (valid rows are not touched, so a call without
-        # padding moves no f bytes): fla's in-kernel safe gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) is
-        # then exactly 0 there, so the state does not decay
-        tl.store(FP + bid * sf_b + t * sf_t + ch, tl.full(ch.shape, float("-inf"), FP.dtype.element_ty),
-                 mask=rm & ((ch * 0 + t) >= n))
-        tl.store(OB + (bid * T + t) * H + hh, tl.sigmoid(braw) * (t < n).to(tl.float32), mask=hr)
-        return xq, xk, xv, (bid * T + t) * P + ch, rm
-
-    @triton.jit
-    def _pre_out(OQ, OK, OV, orow, rm, aq, bq, cq, xq, ak, bk, ck, xk, av, bv, cv, xv, wq0, wq1, wq2, wq3, wk0, wk1,
-                 wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps):
-        # one token's q (L2-normalised, times scale), k (L2-normalised) and v from its conv rows
-        q = _conv_silu(aq, bq, cq, xq, wq0, wq1, wq2, wq3)
-        q = q * (tl.rsqrt(tl.sum(q * q, 1) + l2_eps) * scale)[:, None]
-        tl.store(OQ + orow, q.to(OQ.dtype.element_ty), mask=rm)
-        k = _conv_silu(ak, bk, ck, xk, wk0, wk1, wk2, wk3)
-        k = k * tl.rsqrt(tl.sum(k * k, 1) + l2_eps)[:, None]
-        tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=rm)
-        v = _conv_silu(av, bv, cv, xv, wv0, wv1, wv2, wv3)
-        tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=rm)
-
-    @triton.jit
     def _kda_prefill_pre_kernel(U, CS, CW, FP, BP, LEN, OQ, OK, OV, OB, T, span, su_b, su_t, scs_b, scs_t, sf_b,
-                                sf_t, sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
-                                ROWS: tl.constexpr):
-        # grid (head blocks of NH, spans of `span` tokens, sequences): a program walks its span ROWS (1, 2 or 4)
-        # tokens a step over NH heads' channels of q, k and v, the loads of a step's tokens issued together and the
-        # conv's three previous rows carried in registers, so each element of u is loaded once (plus three rows of
-        # warm-up per span)
+                                sf_t, sb_b, sb_t, scale, l2_eps, H: tl.constexpr, D: tl.constexpr, NH: tl.constexpr):
+        # grid (head blocks of NH, spans of `span` tokens, sequences): a program walks its span one token at a time
+        # over NH heads' channels of q, k and v, the conv's three previous rows carried in registers, so each element
+        # of u is loaded once (plus three rows of warm-up per span)
         hb = tl.program_id(0)
         sp = tl.program_id(1)
         bid = tl.program_id(2).to(tl.int64)
@@ -161,38 +126,30 @@ if triton is not None:
         av = _concat_row(U, CS, bid, t0, 2 * P + ch, cm, su_b, su_t, scs_b, scs_t)
         bv = _concat_row(U, CS, bid, t0 + 1, 2 * P + ch, cm, su_b, su_t, scs_b, scs_t)
         cv = _concat_row(U, CS, bid, t0 + 2, 2 * P + ch, cm, su_b, su_t, scs_b, scs_t)
-        for t in range(t0, t1, ROWS):
-            xq0, xk0, xv0, o0, m0 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t, t1, n, T, ch, cm, hh, hm, su_b, su_t,
-                                             sf_b, sf_t, sb_b, sb_t, P, H)
-            if ROWS >= 2:
-                xq1, xk1, xv1, o1, m1 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t + 1, t1, n, T, ch, cm, hh, hm, su_b,
-                                                 su_t, sf_b, sf_t, sb_b, sb_t, P, H)
-            if ROWS == 4:
-                xq2, xk2, xv2, o2, m2 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t + 2, t1, n, T, ch, cm, hh, hm, su_b,
-                                                 su_t, sf_b, sf_t, sb_b, sb_t, P, H)
-                xq3, xk3, xv3, o3, m3 = _pre_row(U, FP, BP, OQ, OK, OV, OB, bid, t + 3, t1, n, T, ch, cm, hh, hm, su_b,
-                                                 su_t, sf_b, sf_t, sb_b, sb_t, P, H)
-            _pre_out(OQ, OK, OV, o0, m0, aq, bq, cq, xq0, ak, bk, ck, xk0, av, bv, cv, xv0, wq0, wq1, wq2, wq3, wk0,
-                     wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
-            if ROWS == 1:
-                aq, bq, cq = bq, cq, xq0
-                ak, bk, ck = bk, ck, xk0
-                av, bv, cv = bv, cv, xv0
-            else:
-                _pre_out(OQ, OK, OV, o1, m1, bq, cq, xq0, xq1, bk, ck, xk0, xk1, bv, cv, xv0, xv1, wq0, wq1, wq2, wq3,
-                         wk0, wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
-                if ROWS == 2:
-                    aq, bq, cq = cq, xq0, xq1
-                    ak, bk, ck = ck, xk0, xk1
-                    av, bv, cv = cv, xv0, xv1
-                else:
-                    _pre_out(OQ, OK, OV, o2, m2, cq, xq0, xq1, xq2, ck, xk0, xk1, xk2, cv, xv0, xv1, xv2, wq0, wq1,
-                             wq2, wq3, wk0, wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
-                    _pre_out(OQ, OK, OV, o3, m3, xq0, xq1, xq2, xq3, xk0, xk1, xk2, xk3, xv0, xv1, xv2, xv3, wq0, wq1,
-                             wq2, wq3, wk0, wk1, wk2, wk3, wv0, wv1, wv2, wv3, scale, l2_eps)
-                    aq, bq, cq = xq1, xq2, xq3
-                    ak, bk, ck = xk1, xk2, xk3
-                    av, bv, cv = xv1, xv2, xv3
+        for t in range(t0, t1):
+            ub = U + bid * su_b + t * su_t
+            xq = tl.load(ub + ch, mask=cm, other=0.0)
+            xk = tl.load(ub + P + ch, mask=cm, other=0.0)
+            xv = tl.load(ub + 2 * P + ch, mask=cm, other=0.0)
+            braw = tl.load(BP + bid * sb_b + t * sb_t + hh, mask=hm, other=0.0).to(tl.float32)
+            orow = (bid * T + t) * P + ch
+            q = _conv_silu(aq, bq, cq, xq, wq0, wq1, wq2, wq3)
+            q = q * (tl.rsqrt(tl.sum(q * q, 1) + l2_eps) * scale)[:, None]
+            tl.store(OQ + orow, q.to(OQ.dtype.element_ty), mask=cm)
+            k = _conv_silu(ak, bk, ck, xk, wk0, wk1, wk2, wk3)
+            k = k * tl.rsqrt(tl.sum(k * k, 1) + l2_eps)[:, None]
+            tl.store(OK + orow, k.to(OK.dtype.element_ty), mask=cm)
+            v = _conv_silu(av, bv, cv, xv, wv0, wv1, wv2, wv3)
+            tl.store(OV + orow, v.to(OV.dtype.element_ty), mask=cm)
+            # the gate's input set to -inf on padding rows, in place (valid rows are not touched, so a call without
+            # padding moves no f bytes): fla's in-kernel safe gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+            # is then exactly 0 there, so the state does not decay
+            tl.store(FP + bid * sf_b + t * sf_t + ch, tl.full([NH, D], float("-inf"), FP.dtype.element_ty),
+                     mask=cm & ((ch * 0 + t) >= n))  # (scalar & tensor masks: int32 in Triton's interpreter)
+            tl.store(OB + (bid * T + t) * H + hh, tl.sigmoid(braw) * (t < n).to(tl.float32), mask=hm)
+            aq, bq, cq = bq, cq, xq
+            ak, bk, ck = bk, ck, xk
+            av, bv, cv = bv, cv, xv
         # the new window: rows n, n + 1, n + 2 of [window | u], written by the first span's program (the only one
         # that reads the old window), all three loaded before any is stored
         first = cm & ((ch * 0 + sp) == 0)
@@ -386,11 +343,11 @@ def kda_decode_prepare(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, *, 
     return oq, ok, ov, og, ob
 
 
-PRE_CHANNELS = 1024  # channels of q (and of k, v) per pre-kernel program and token: NH = PRE_CHANNELS / D heads
+PRE_CHANNELS = 512  # channels of q (and of k, v) per pre-kernel program and token: NH = PRE_CHANNELS / D heads
 PRE_PER_THREAD = 4  # of them per thread (the warps: PRE_CHANNELS / (32 PRE_PER_THREAD))
-PRE_ROWS = 4  # tokens a step (1, 2 or 4): their loads issued together
 PRE_PROGS_PER_SM, PRE_SPAN_MIN, PRE_SPAN_MAX = 8, 32, 512  # tokens per program: the longest span in [MIN, MAX]
-# (powers of two) that still gives PRE_PROGS_PER_SM programs per SM
+# (powers of two) that still gives PRE_PROGS_PER_SM programs per SM. The sweep that chose these (and one token a step
+# over four tokens with their loads issued together, which was slower): bench/results/kda_pre_walk_2026-12-06_h100.json
 
 
 def _num_sms(device) -> int:
@@ -450,7 +407,7 @@ def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l
     _kda_prefill_pre_kernel[(triton.cdiv(H, nh), triton.cdiv(T, span), B)](
         u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, ob, T, span,
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), f.stride(0), f.stride(1), b.stride(0),
-        b.stride(1), scale, l2_eps, H=H, D=D, NH=nh, ROWS=PRE_ROWS, num_warps=warps)
+        b.stride(1), scale, l2_eps, H=H, D=D, NH=nh, num_warps=warps)
     return oq, ok, ov, f.view(B, T, H, D), ob
 
 

@@ -3,7 +3,7 @@
 torch form it replaces (`prepare` + the recurrence + the torch post-work), on fresh random inputs with a carried conv
 window and rows of every kind: a full row, a row ending mid-chunk, a row of two tokens (its new window takes a row of
 the old one) and a padding row (lengths 0: its window and state must not move); T not a multiple of the kernel's
-32-token tiles.
+32-token spans and heads not a multiple of the kernel's head block.
 
 Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise; the
 whole-layer test needs fla-core's chunk_kda, so a CUDA GPU. Tolerances: float32 q, k, v, beta and the gate made from
@@ -35,10 +35,13 @@ from tests.plugins.test_kda_decode_fused import (
 
 @kernels
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [32, 16])
-def test_prefill_prepare_matches_the_torch_form(dt, D):
-    gen = torch.Generator().manual_seed(D * 5 + (dt == torch.bfloat16))
-    B, T, H = 4, 150, 4  # three 64-token tiles, the last one partial; rows ending in the first and the third
+@pytest.mark.parametrize("D, H", [(32, 4), (16, 4), (32, 3)])
+def test_prefill_prepare_matches_the_torch_form(dt, D, H):
+    # T = 150: five spans of 32 tokens (the kernel's shortest, as the GPU's SM count gives these shapes), the last
+    # partial; rows ending in the first and the fifth; 3 heads leave the fourth of the program's head block masked
+    gen = torch.Generator().manual_seed(D * 5 + H + (dt == torch.bfloat16))
+    B, T = 4, 150
+    assert ktk._pre_shape(B, T, H, D, ktk._num_sms(DEV))[1] == 32
     x = _layer(B, H, D, 48, dt, gen, T, [T, 20, 2, 0])
     (h, cs, _, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, _, A_log, dt_bias, _, _) = x
     cs_ref = cs.clone()
