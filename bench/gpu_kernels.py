@@ -599,7 +599,7 @@ def kda_prefill_section(args):
         _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T)
         record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 6 + T * H * 6, 0,
                lambda: ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre), graph=False, reps=rp)
-        if H == 12:
+        if H == 12 and not args.quick:  # --quick: ours and the published kernels only, no eager baseline
             try:
                 from fla.ops.kda.naive import naive_chunk_kda
 
