@@ -61,7 +61,7 @@ def candidates(x, a) -> list[dict]:
     ws = (sc.contiguous(), gm.contiguous(), torch.empty_like(sc), torch.empty(B, cap, dtype=torch.int32, device=sc.device),
           torch.zeros(B, dtype=torch.int32, device=sc.device))
     topk = int(a["topk"])
-    itk._candidates(ws, L, cap, cap // G, topk, G, itk._num_sms(sc.device))
+    itk._candidates(ws, L, cap, cap // G, topk, G, itk.num_sms(sc.device))
     return [{"L": int(n), "keff": min(int(n), topk), "candidates": int(c), "share": round(int(c) / max(int(n), 1), 4)}
             for n, c in zip(L.tolist(), ws[4].tolist())]
 

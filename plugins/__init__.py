@@ -1,1 +1,10 @@
 """Fused ops, one per folder (installed as kimi_compile.plugins)."""
+
+
+def num_sms(device) -> int:
+    """The SM count of a CUDA device, which the Triton kernels' launch shapes follow; 132 (an H100's / H200's) for a
+    CPU device, where Triton's interpreter runs the kernels on CPU tensors, so tests take the GPU's launch shapes."""
+    import torch  # here, not at the top: importing the plugins package must not need torch
+
+    device = torch.device(device)
+    return 132 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count

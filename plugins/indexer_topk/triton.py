@@ -65,6 +65,7 @@ from __future__ import annotations
 import os
 
 import torch
+from kimi_compile.plugins import num_sms
 
 from kimi_compile.onnx_body import MASKED  # the op's score where the index is -1
 
@@ -446,11 +447,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _num_sms(device) -> int:
-    """The GPU's SM count (the interpreter on CPU tensors takes an H200's 132, so launches are shaped as there)."""
-    return 132 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _tma_ok(k_codes: torch.Tensor) -> bool:
     """Hopper+ GPU, Triton's tensor descriptors and a 16-byte-aligned code pool."""
     try:
@@ -570,7 +566,7 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     npages = triton.cdiv(cap, bs)
     ngcap = npages * (bs // G)
     ws = _workspace(q.device, R, cap, ngcap)
-    nsm = _num_sms(q.device)
+    nsm = num_sms(q.device)
     want = max(1, (PROGS_PER_SM * nsm) // max(R, 1))
     ppp = max(1, triton.cdiv(npages, want))  # pages per program: about PROGS_PER_SM programs per SM over all rows
     q, w = q.contiguous(), w.float().contiguous()
@@ -636,7 +632,7 @@ def _rank(keys: torch.Tensor, topk: int, out_i: torch.Tensor, out_s: torch.Tenso
     out_s None wrote it) -> out_i [R, topk] int64, out_s [R, topk] float32 contiguous, in the op's order, -1 / MASKED
     past the selection."""
     R, kp = keys.shape
-    blk, w = _rank_shape(R, topk, _num_sms(keys.device))
+    blk, w = _rank_shape(R, topk, num_sms(keys.device))
     _rank_kernel[(R, triton.cdiv(topk, blk))](keys, out_i, out_s, topk, kp, MASKED, BLK=blk, CHK=RANK_CHK, W=w,
                                               NS=RANK_STAGES, num_warps=w)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 
 import torch
+from kimi_compile.plugins import num_sms
 
 try:  # triton is optional: importing this module on a CPU machine without it must work
     import triton
@@ -350,12 +351,6 @@ PRE_PROGS_PER_SM, PRE_SPAN_MIN, PRE_SPAN_MAX = 8, 32, 512  # tokens per program:
 # over four tokens with their loads issued together, which was slower): bench/results/kda_pre_walk_2026-12-06_h100.json
 
 
-def _num_sms(device) -> int:
-    if torch.device(device).type != "cuda":
-        return 132  # the interpreter: an H100's / H200's count, so CPU tests take the GPU's spans
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _pre_shape(B: int, T: int, H: int, D: int, nsm: int) -> tuple[int, int, int]:
     """(heads per program, tokens per program, warps) of `_kda_prefill_pre_kernel`."""
     nh = min(triton.next_power_of_2(H), max(1, PRE_CHANNELS // D))
@@ -403,7 +398,7 @@ def kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, *, scale: float, l
     oq = torch.empty(B, T, H, D, dtype=u.dtype, device=dev)
     ok, ov = torch.empty_like(oq), torch.empty_like(oq)
     ob = torch.empty(B, T, H, dtype=torch.float32, device=dev)
-    nh, span, warps = _pre_shape(B, T, H, D, _num_sms(dev))
+    nh, span, warps = _pre_shape(B, T, H, D, num_sms(dev))
     _kda_prefill_pre_kernel[(triton.cdiv(H, nh), triton.cdiv(T, span), B)](
         u, conv_state, conv_w.contiguous(), f, b, lengths.reshape(-1).contiguous(), oq, ok, ov, ob, T, span,
         u.stride(0), u.stride(1), conv_state.stride(0), conv_state.stride(1), f.stride(0), f.stride(1), b.stride(0),

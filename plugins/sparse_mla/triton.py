@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 
 import torch
+from kimi_compile.plugins import num_sms
 
 try:  # triton is optional: importing this module on a CPU machine without it must work
     import triton
@@ -234,11 +235,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _num_sms(device) -> int:
-    """The GPU's SM count (the interpreter on CPU tensors takes an H200's 132, so launches are shaped as there)."""
-    return 132 if device.type == "cpu" else torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _config(rows: int, heads: int) -> dict:
     """The launch configuration for `rows` rows (bh falls back to 64 heads where the head count is not a multiple of
     the configured block)."""
@@ -310,7 +306,7 @@ def _launch(q, kv_codes, kv_scales, kv_rope, block_table, row_seq, indices, sm_s
     nt = triton.cdiv(topk, tn)
     tpad = nt * tn
     base = R * 4 * (H // bh2)  # pass 2's programs; split the keys when that is under ~2 per SM
-    nsplit = max(1, min(nt, (2 * _num_sms(dev)) // base))
+    nsplit = max(1, min(nt, (2 * num_sms(dev)) // base))
     per_split = triton.cdiv(nt, nsplit) * tn  # whole pass-1 tiles per split
     nsplit = triton.cdiv(tpad, per_split)
     key = (str(dev), R, H, nt, tn, nsplit)

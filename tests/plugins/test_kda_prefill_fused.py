@@ -41,7 +41,7 @@ def test_prefill_prepare_matches_the_torch_form(dt, D, H):
     # partial; rows ending in the first and the fifth; 3 heads leave the fourth of the program's head block masked
     gen = torch.Generator().manual_seed(D * 5 + H + (dt == torch.bfloat16))
     B, T = 4, 150
-    assert ktk._pre_shape(B, T, H, D, ktk._num_sms(DEV))[1] == 32
+    assert ktk._pre_shape(B, T, H, D, ktk.num_sms(DEV))[1] == 32
     x = _layer(B, H, D, 48, dt, gen, T, [T, 20, 2, 0])
     (h, cs, _, lengths, w_q, w_k, w_v, c_q, c_k, c_v, w_f_a, w_f_b, w_b, _, A_log, dt_bias, _, _) = x
     cs_ref = cs.clone()

@@ -432,7 +432,7 @@ def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
                                    torch.zeros(R, dtype=torch.int32)))
     kp = -(-topk // itk.RANK_CHK) * itk.RANK_CHK
     keys = torch.full((R, kp), 7.0, dtype=torch.float64, device=dev)
-    itk._select(ws, L.to(dev), keys, None, cap, cap // G, topk, G, itk._num_sms(keys.device), MASKED)
+    itk._select(ws, L.to(dev), keys, None, cap, cap // G, topk, G, itk.num_sms(keys.device), MASKED)
     oi = torch.full((R, topk), -7, dtype=torch.int64, device=dev)
     os_ = torch.full((R, topk), float("nan"), device=dev)
     itk._rank(keys, topk, oi, os_)
@@ -469,7 +469,7 @@ def test_indexer_candidates_follow_the_rows_length():
     gm = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf")).view(R, cap // G, G).amax(-1)
     ws = tuple(t.to(dev) for t in (sc, gm.contiguous(), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
                                    torch.zeros(R, dtype=torch.int32)))
-    itk._candidates(ws, L.to(dev), cap, cap // G, topk, G, itk._num_sms(ws[0].device))
+    itk._candidates(ws, L.to(dev), cap, cap // G, topk, G, itk.num_sms(ws[0].device))
     nc = ws[4].cpu().tolist()
     for r, (n, c, share) in enumerate(zip(lens, nc, (0.15, 0.08, 0.35, 1.0, 0.12))):
         assert min(n, topk) <= c <= share * n, (n, c)
@@ -479,7 +479,7 @@ def test_indexer_candidates_follow_the_rows_length():
     ws[4].zero_()
     out_i = torch.full((R, topk), -7, dtype=torch.int32, device=dev)
     out_s = torch.full((R, topk), float("nan"), device=dev)
-    itk._select(ws, L.to(dev), out_i, out_s, cap, cap // G, topk, G, itk._num_sms(ws[0].device), -1e30)
+    itk._select(ws, L.to(dev), out_i, out_s, cap, cap // G, topk, G, itk.num_sms(ws[0].device), -1e30)
     for r, n in enumerate(lens):
         want = set(sc[r, :n].topk(min(n, topk)).indices.tolist())  # continuous scores: no ties
         got = out_i[r].cpu()
