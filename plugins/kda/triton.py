@@ -1,5 +1,6 @@
-"""Triton kernels for KDA: the recurrent decode step (state updated in place) and the fused prefill pre/post work
-around fla-core's `chunk_kda` (the chunked WY/UT core; fla is a dependency of the CUDA backend). Semantics:
+"""Triton kernels for KDA: the recurrent decode step (state updated in place), the fused prefill pre/post work and
+the chunked core's sequential half around fla-core's gate and intra-chunk kernels (the chunked WY/UT core; fla is a
+dependency of the CUDA backend). Semantics:
 plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda backend's torch form
 (plugins/kda/cuda.py `prepare`), which the prepare kernels' tests hold them to.
 
@@ -15,7 +16,11 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda ba
 - `kda_decode_prepare`: one decode token's delta-rule inputs in one launch: conv over the carried window (advanced in
   place) + SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate and beta sigmoid, zeroed on padding rows.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).
-- `kda_prefill`: prepare -> fla chunk_kda with its in-kernel fp32 safe gate (state in place) -> output norm/gate.
+- `kda_chunk_state_out`: grid (V / BV, B*H); a program walks its row's 64-token chunks in order with its [K, BV] fp32
+  slice of the state in registers: v_new = u - w @ S, o = qg @ S + tril(Aqk) @ v_new, S = S 2^g_last + kg^T v_new
+  (fla's chunk_kda runs this as two kernels with every chunk's state written to memory between them).
+- `kda_chunk`: fla's gate cumsum and intra-chunk kernels (w, u, qg, kg, Aqk) -> `kda_chunk_state_out`.
+- `kda_prefill`: prepare -> `kda_chunk` (the state in place) -> output norm/gate.
 History of these kernels (what was tried, what was measured): docs/kernels/kda.md.
 """
 
@@ -221,6 +226,41 @@ if triton is not None:
         tl.store(OG + orow, lower_bound * tl.sigmoid(a * f) * m)
         tl.store(OB + bid * H + h, tl.sigmoid(tl.load(BP + bid * sb + h).to(tl.float32)) * m)
 
+    @triton.jit
+    def _kda_chunk_state_out_kernel(QG, KG, W, U, G, A, S, O, T, NT, scale, H: tl.constexpr, K: tl.constexpr,
+                                    V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+        # program (value slice, sequence x head): walks the row's chunks in order with its [K, BV] fp32 slice of the
+        # state in registers; per chunk v_new = u - w @ S, o = scale qg @ S + tril(Aqk) @ v_new, then
+        # S = S * 2^g_last + kg^T @ v_new. The state is read from S and written back to it (in place).
+        iv = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        b, h = bh // H, bh % H
+        kk = tl.arange(0, K)
+        vv = iv * BV + tl.arange(0, BV)
+        rr = tl.arange(0, BT)
+        s_ptr = S + bh * K * V + kk[:, None] * V + vv[None, :]
+        st = tl.load(s_ptr)
+        row0 = b * T
+        tril = rr[:, None] >= rr[None, :]
+        for c in range(0, NT):
+            t = c * BT + rr
+            mt = t < T
+            tok = (row0 + t) * H + h  # [BT] token-head rows of qg, kg, w, u, Aqk, o
+            w = tl.load(W + tok[:, None] * K + kk[None, :], mask=mt[:, None], other=0.0)
+            qg = tl.load(QG + tok[:, None] * K + kk[None, :], mask=mt[:, None], other=0.0)
+            u = tl.load(U + tok[:, None] * V + vv[None, :], mask=mt[:, None], other=0.0)
+            a = tl.load(A + tok[:, None] * BT + rr[None, :], mask=mt[:, None], other=0.0)
+            kg = tl.load(KG + tok[None, :] * K + kk[:, None], mask=mt[None, :], other=0.0)  # [K, BT]
+            last = (row0 + tl.minimum(c * BT + BT, T) - 1) * H + h
+            glast = tl.load(G + last * K + kk).to(tl.float32)
+            sb = st.to(w.dtype)
+            vn = (u.to(tl.float32) - tl.dot(w, sb)).to(w.dtype)  # v_new, rounded as fla stores it
+            o = tl.dot(qg, sb) * scale
+            o = tl.dot(tl.where(tril, a, 0.0).to(w.dtype), vn, o)
+            tl.store(O + tok[:, None] * V + vv[None, :], o.to(O.dtype.element_ty), mask=mt[:, None])
+            st = tl.dot(kg, vn, st * tl.exp2(glast)[:, None])
+        tl.store(s_ptr, st)
+
 
 def _need_triton():
     if triton is None:
@@ -420,17 +460,73 @@ def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfl
     return out
 
 
+CHUNK = 64  # tokens per chunk of the chunked delta rule (fla's intra kernels: 32 or 64)
+# the chunk recurrence's program shapes: (value columns of the state, warps, pipeline stages, programs resident per SM
+# at head dim 128 on sm_90, by registers and shared memory). Every program walks its whole row, so a launch wants all
+# of them resident at once: the first shape whose programs fit the GPU in one wave, else the first.
+STATE_SHAPES = ((32, 4, 1, 2), (64, 8, 1, 1), (128, 8, 1, 1))
+
+
+def _state_shape(B: int, H: int, V: int, nsm: int) -> tuple[int, int, int]:
+    for bv, warps, stages, per_sm in STATE_SHAPES:
+        if V % bv == 0 and B * H * (V // bv) <= per_sm * nsm:
+            return bv, warps, stages
+    bv, warps, stages, _ = STATE_SHAPES[0]
+    return bv, warps, stages
+
+
+def kda_chunk_state_out(qg, kg, w, u, g, Aqk, state, *, scale: float):
+    """The sequential half of chunked KDA, fused: per chunk of 64 tokens, v_new = u - w @ S, the output
+    o = scale qg @ S + tril(Aqk) @ v_new and the state update S = S * 2^g_last + kg^T @ v_new, with S held in
+    registers across the row's chunks (fla-core runs this as two kernels and writes every chunk's state between them).
+    Inputs are fla's intermediates for one [B, T, H] batch without cu_seqlens: qg, kg, w [B, T, H, K] (qg = q * 2^g),
+    u [B, T, H, V], g [B, T, H, K] fp32 (the gate's chunk-local cumsum, log2 units; only each chunk's last row is
+    read), Aqk [B, T, H, 64]; state [B, H, K, V] fp32 is read as the initial state and overwritten IN PLACE with the
+    final one. Returns o [B, T, H, V] in u's dtype."""
+    _need_triton()
+    B, T, H, K = qg.shape
+    V = u.shape[-1]
+    _need(state.shape == (B, H, K, V) and state.dtype == torch.float32,
+          f"kda_chunk_state_out: state must be fp32 [B, H, K, V] = {[B, H, K, V]}, got {list(state.shape)} "
+          f"{state.dtype}")
+    _need(Aqk.shape == (B, T, H, CHUNK), f"kda_chunk_state_out: Aqk must be [B, T, H, {CHUNK}], got {list(Aqk.shape)}")
+    bv, warps, stages = _state_shape(B, H, V, num_sms(state.device))
+    _need(V % bv == 0 and K >= 16 and K & (K - 1) == 0,
+          f"kda_chunk_state_out: K a power of two >= 16 and V a multiple of {bv}, got K={K}, V={V}")
+    qg, kg, w, u, g, Aqk = (x.contiguous() for x in (qg, kg, w, u, g, Aqk))
+    s = state if state.is_contiguous() else state.contiguous()
+    o = torch.empty_like(u)
+    _kda_chunk_state_out_kernel[(V // bv, B * H)](qg, kg, w, u, g, Aqk, s, o, T, triton.cdiv(T, CHUNK), scale, H=H,
+                                                   K=K, V=V, BT=CHUNK, BV=bv, num_warps=warps, num_stages=stages)
+    if s is not state:
+        state.copy_(s)
+    return o
+
+
+def kda_chunk(q, k, v, f, beta, A_log, dt_bias, state, *, scale: float, lower_bound: float):
+    """The chunked KDA core from prepared inputs (`kda_prefill_prepare`'s q, k, v, f, beta): fla-core's gate cumsum
+    (the safe gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), chunk-local, log2 units) and its intra-chunk
+    kernels (Aqk, the WY factors w, u, kg), then `kda_chunk_state_out`. The state [B, H, K, V] fp32 is updated IN
+    PLACE. Returns o [B, T, H, V] in v's dtype; the same work as fla's `chunk_kda(..., use_gate_in_kernel=True,
+    safe_gate=True)` without writing the per-chunk states."""
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.gate import kda_gate_chunk_cumsum
+    from fla.ops.utils.constant import RCP_LN2
+
+    g = kda_gate_chunk_cumsum(g=f, A_log=A_log, dt_bias=dt_bias, scale=RCP_LN2, chunk_size=CHUNK,
+                              lower_bound=lower_bound)
+    # disable_recompute: the w/u kernel also writes qg = q * 2^g (it has g loaded), so ours reads no q or g rows
+    w, u, qg, kg, Aqk, _ = chunk_kda_fwd_intra(q=q, k=k, v=v, gk=g, beta=beta, scale=scale, chunk_size=CHUNK,
+                                               safe_gate=True, disable_recompute=True)
+    return kda_chunk_state_out(qg, kg, w, u, g, Aqk, state, scale=scale)
+
+
 def kda_prefill(u, conv_state, conv_w, f, b, lengths, A_log, dt_bias, gate, o_weight, state, *, scale: float,
                 l2_eps: float, lower_bound: float, eps: float):
-    """T tokens of a KDA layer's core: `kda_prefill_prepare` -> fla-core chunk_kda (chunk 64, its in-kernel fp32
-    safe gate from f, A_log [H], dt_bias [P]) from `state` [B, H, D, D] fp32, which is updated IN PLACE ->
+    """T tokens of a KDA layer's core: `kda_prefill_prepare` -> `kda_chunk` (chunk 64, fla's fp32 safe gate from f,
+    A_log [H], dt_bias [P]) from `state` [B, H, D, D] fp32, which is updated IN PLACE ->
     `kda_output_norm_gate` (gate [B, T, P], o_weight [D]). Inputs as in `kda_prefill_prepare`; the window advances in
     place. Returns the normed, gated output [B, T, P] in u's dtype (before the output projection)."""
-    from fla.ops.kda import chunk_kda
-
     q, k, v, fm, beta = kda_prefill_prepare(u, conv_state, conv_w, f, b, lengths, scale=scale, l2_eps=l2_eps)
-    o, final = chunk_kda(q, k, v, fm, beta, scale=1.0, initial_state=state, output_final_state=True,
-                         use_gate_in_kernel=True, safe_gate=True, lower_bound=lower_bound, A_log=A_log,
-                         dt_bias=dt_bias)
-    state.copy_(final)
+    o = kda_chunk(q, k, v, fm, beta, A_log, dt_bias, state, scale=1.0, lower_bound=lower_bound)
     return kda_output_norm_gate(o, gate, o_weight, eps, out_dtype=u.dtype)

@@ -25,6 +25,7 @@ from kimi_compile.plugins.kda import triton as ktk
 from tests.plugins.test_kda_decode_fused import (
     ATTRS,
     DEV,
+    INTERPRET,
     _layer,
     _prepare_refusals,
     _rel,
@@ -126,3 +127,106 @@ def test_prefill_prepare_refusals_name_the_field():
            "f": torch.empty(1, Tl, Pl, device="meta"), "b": torch.empty(1, Tl, Hl, device="meta"),
            "lengths": torch.ones(1, dtype=torch.int64)}
     assert "2^31" in ktk.prefill_prepare_unsupported(torch.empty(1, Tl, 3 * Pl, device="meta"), **big)
+
+
+def _chunk_recurrence_ref(qg, kg, w, u, g, A, S, scale, BT=64):
+    """kda_chunk_state_out's recurrence in float32 torch, rounding where the kernel (and fla's two kernels) round:
+    the state to u's dtype for the dots, v_new to u's dtype."""
+    B, T, H, K = qg.shape
+    S = S.clone()
+
+    def rnd(x):  # to u's dtype and back: Triton's interpreter truncates to bf16 where the GPU rounds
+        if INTERPRET and u.dtype == torch.bfloat16:
+            return (x.float().view(torch.int32) & -65536).view(torch.float32)
+        return x.to(u.dtype).float()
+
+    o = torch.empty(u.shape, dtype=torch.float32)
+    tril = torch.ones(BT, BT).tril().bool()
+    for c in range(0, T, BT):
+        sl = slice(c, min(c + BT, T))
+        n = sl.stop - sl.start
+        sb = rnd(S)  # [B, H, K, V]
+        vn = rnd(u[:, sl].float() - torch.einsum("btkh,bhkv->bthv", w[:, sl].float().transpose(2, 3), sb))
+        a = torch.where(tril[:n, :n], A[:, sl, :, :n].float().permute(0, 2, 1, 3), 0.0)  # [B, H, n, n]
+        o[:, sl] = (torch.einsum("bthk,bhkv->bthv", qg[:, sl].float(), sb) * scale
+                    + torch.einsum("bhts,bshv->bthv", a, vn))
+        S = S * torch.exp2(g[:, sl.stop - 1])[..., None] + torch.einsum("bthk,bthv->bhkv", kg[:, sl].float(), vn)
+    return rnd(o), S
+
+
+@pytest.fixture
+def interpreter_bf16_dot(monkeypatch):
+    """Triton's interpreter (3.6 to 3.9) multiplies bf16 dot operands as their raw uint16 storage; under
+    TRITON_INTERPRET=1 this widens them to float32 first (exact), as the GPU's bf16 dot does. Nothing on a GPU."""
+    if not INTERPRET:
+        return
+    import numpy as np
+    from triton.runtime import interpreter as ti
+
+    real = ti.InterpreterBuilder.create_dot
+
+    def widen(x):
+        if x.dtype != ktk.tl.bfloat16:
+            return x
+        return ti.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), ktk.tl.float32)
+
+    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", lambda self, a, b, *r: real(self, widen(a), widen(b), *r))
+
+
+@kernels
+@pytest.mark.parametrize("T", [150, 64])
+@pytest.mark.parametrize("shape", ktk.STATE_SHAPES, ids=lambda s: f"bv{s[0]}")
+def test_chunk_state_out_matches_the_recurrence(T, shape, interpreter_bf16_dot, monkeypatch):
+    """The fused state/output recurrence of the chunked prefill (ours in place of fla's per-chunk states + output
+    kernels) against the same recurrence in torch, bf16 inputs as fla's intra kernels give them: T = 150 is three
+    chunks (the last partial), 64 one; V = 128 in slices of each program shape the launch may pick; a nonzero
+    initial state updated in place.
+    The reference rounds where the kernel rounds (truncating under the interpreter, as it does); output within 5e-3
+    relative, state 1e-3 (measured in the interpreter: 9.3e-5 and 2.2e-5 at T = 150)."""
+    monkeypatch.setattr(ktk, "STATE_SHAPES", (shape,))
+    gen = torch.Generator().manual_seed(T)
+    B, H, K, V, dt = 2, 3, 32, 128, torch.bfloat16
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=gen) * sc)  # noqa: E731
+    qg, kg, w = (r(B, T, H, K, sc=0.3).to(dt) for _ in range(3))
+    u = r(B, T, H, V).to(dt)
+    g = torch.cumsum(-torch.rand(B, T, H, K, generator=gen) * 0.2, 1)  # decreasing log2 gates, as a chunk cumsum
+    for c in range(64, T, 64):  # chunk-local: restart at each chunk
+        g[:, c:] -= g[:, c - 1:c].clone()
+    A = r(B, T, H, 64, sc=0.2).to(dt)
+    S0 = r(B, H, K, V)
+    want_o, want_S = _chunk_recurrence_ref(qg, kg, w, u, g, A, S0, 0.7)
+    S = S0.clone().to(DEV)
+    o = ktk.kda_chunk_state_out(*_to([qg, kg, w, u, g, A], DEV), S, scale=0.7)
+    assert o.dtype == dt and o.shape == u.shape
+    assert _rel(o.cpu().float(), want_o) < 5e-3, _rel(o.cpu().float(), want_o)
+    assert _rel(S.cpu(), want_S) < 1e-3, _rel(S.cpu(), want_S)
+    assert _rel(S.cpu(), S0) > 0.1  # the state moved (in place)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or ktk.triton is None, reason="needs CUDA and triton")
+@pytest.mark.parametrize("B, T, H", [(1, 1000, 4), (3, 200, 2), (1, 64 * 40, 96)])
+def test_kda_chunk_matches_fla_chunk_kda_on_the_gpu(B, T, H):
+    """`kda_chunk` (fla's gate cumsum and intra kernels, then our fused state/output recurrence) against fla-core's
+    chunk_kda on the same prepared bf16 inputs and initial state: the same arithmetic but for the per-chunk states'
+    round trip through memory (bf16 in both) and fp32 summation order. Output within 2e-3 relative, state 1e-3; the
+    state updated in place. 96 heads give 384 (sequence, head) value slices: more than one wave of some shapes."""
+    pytest.importorskip("fla", reason="the reference is fla-core's chunk_kda")
+    from fla.ops.kda import chunk_kda
+
+    gen = torch.Generator(device="cuda").manual_seed(B * T + H)
+    D, dt = 128, torch.bfloat16
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    q = torch.nn.functional.normalize(rn(B, T, H, D), dim=-1).mul(D ** -0.5).to(dt)
+    k = torch.nn.functional.normalize(rn(B, T, H, D), dim=-1).to(dt)
+    v, f = rn(B, T, H, D).to(dt), rn(B, T, H, D).to(dt)
+    beta = torch.sigmoid(rn(B, T, H))
+    A_log, dt_bias = rn(H) * 0.5, rn(H * D) * 0.5
+    S0 = rn(B, H, D, D) * 0.1
+    want_o, want_S = chunk_kda(q, k, v, f, beta, scale=1.0, initial_state=S0.clone(), output_final_state=True,
+                               use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=A_log,
+                               dt_bias=dt_bias)
+    S = S0.clone()
+    o = ktk.kda_chunk(q, k, v, f, beta, A_log, dt_bias, S, scale=1.0, lower_bound=-5.0)
+    assert o.dtype == dt and o.shape == v.shape
+    assert _rel(o.float(), want_o.float()) < 2e-3, _rel(o.float(), want_o.float())
+    assert _rel(S, want_S) < 1e-3, _rel(S, want_S)
