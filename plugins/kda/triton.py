@@ -463,15 +463,17 @@ def kda_output_norm_gate(o, gate, weight, eps: float = 1e-5, out_dtype=torch.bfl
 CHUNK = 64  # tokens per chunk of the chunked delta rule (fla's intra kernels: 32 or 64)
 # the chunk recurrence's program shapes: (value columns of the state, warps, pipeline stages, programs resident per SM
 # at head dim 128 on sm_90, by registers and shared memory). Every program walks its whole row, so a launch wants all
-# of them resident at once: the first shape whose programs fit the GPU in one wave, else the first.
-STATE_SHAPES = ((32, 4, 1, 2), (64, 8, 1, 1), (128, 8, 1, 1))
+# of them resident at once: the first shape whose programs fit the GPU in one wave, else the last (fewest programs).
+# Chosen by a sweep on an H100 (docs/kernels/kda.md): two stages beat one everywhere.
+STATE_SHAPES = ((32, 4, 2, 1), (64, 4, 2, 1), (128, 8, 2, 1))
 
 
 def _state_shape(B: int, H: int, V: int, nsm: int) -> tuple[int, int, int]:
-    for bv, warps, stages, per_sm in STATE_SHAPES:
-        if V % bv == 0 and B * H * (V // bv) <= per_sm * nsm:
+    fits = [s for s in STATE_SHAPES if V % s[0] == 0]
+    for bv, warps, stages, per_sm in fits:
+        if B * H * (V // bv) <= per_sm * nsm:
             return bv, warps, stages
-    bv, warps, stages, _ = STATE_SHAPES[0]
+    bv, warps, stages, _ = (fits or STATE_SHAPES)[-1]
     return bv, warps, stages
 
 
