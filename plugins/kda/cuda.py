@@ -2,8 +2,9 @@
 window, and the gated delta rule: on the GPU one token runs `decode_fused` (the projections, then three Triton
 kernels from plugins/kda/triton.py: the pre-work, the decode step with the state updated in place, the output norm
 and gate) and longer steps `prefill_fused` (the projections, the Triton pre-kernel, the chunked core: fla-core's
-gate and intra-chunk kernels, then our fused state/output recurrence, the output norm-and-gate kernel); the torch form (`prepare`, the recurrence, the torch post-work)
-where those kernels do not apply; on the CPU the reference model's torch recurrences.
+gate and intra-chunk kernels, then our fused state/output recurrence, the output norm-and-gate kernel); the torch
+form (`prepare`, the recurrence, the torch post-work) where those kernels do not apply; on the CPU the reference
+model's torch recurrences.
 
 Padding rows (t >= lengths[b]) get g = 0 and beta = 0, so the state is untouched there, exactly as the op's
 contract says; the conv window and the state are written in place (outputs 1 and 2 alias inputs 1 and 2).
@@ -165,7 +166,8 @@ def prefill_fused(x, a, out=None):
     """T > 1 tokens of the layer: the six projections (cuBLAS), `kda_prefill_prepare` (one Triton launch: the conv
     over the carried window, SiLU, L2 norms, beta, the gate input masked on padding rows, the window advanced in
     place), the chunked core (fla-core's safe gate and intra-chunk kernels, then the fused state/output recurrence
-    `kda_chunk_state_out`; the state updated in place) and the output norm-and-gate kernel (plugins/kda/triton.py `kda_prefill`). Returns None (the caller takes the torch form) where
+    `kda_chunk_state_out`; the state updated in place) and the output norm-and-gate kernel (plugins/kda/triton.py
+    `kda_prefill`). Returns None (the caller takes the torch form) where
     the pre-kernel does not apply (`prefill_prepare_unsupported`), the state is not contiguous float32 or the
     activations are float32 (`fla_chunk_applies`)."""
     from kimi_compile.plugins.kda import triton as ktk

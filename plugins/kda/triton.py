@@ -469,11 +469,11 @@ STATE_SHAPES = ((32, 4, 2, 1), (64, 4, 2, 1), (128, 8, 2, 1))
 
 
 def _state_shape(B: int, H: int, V: int, nsm: int) -> tuple[int, int, int]:
-    fits = [s for s in STATE_SHAPES if V % s[0] == 0]
+    fits = [s for s in STATE_SHAPES if V % s[0] == 0] or [(V, 4, 2, 1)]  # V = 16: the whole value dim
     for bv, warps, stages, per_sm in fits:
         if B * H * (V // bv) <= per_sm * nsm:
             return bv, warps, stages
-    bv, warps, stages, _ = (fits or STATE_SHAPES)[-1]
+    bv, warps, stages, _ = fits[-1]
     return bv, warps, stages
 
 
@@ -492,9 +492,9 @@ def kda_chunk_state_out(qg, kg, w, u, g, Aqk, state, *, scale: float):
           f"kda_chunk_state_out: state must be fp32 [B, H, K, V] = {[B, H, K, V]}, got {list(state.shape)} "
           f"{state.dtype}")
     _need(Aqk.shape == (B, T, H, CHUNK), f"kda_chunk_state_out: Aqk must be [B, T, H, {CHUNK}], got {list(Aqk.shape)}")
+    _need(min(K, V) >= 16 and K & (K - 1) == 0 and V & (V - 1) == 0,
+          f"kda_chunk_state_out: the key and value head dims must be powers of two >= 16, got K={K}, V={V}")
     bv, warps, stages = _state_shape(B, H, V, num_sms(state.device))
-    _need(V % bv == 0 and K >= 16 and K & (K - 1) == 0,
-          f"kda_chunk_state_out: K a power of two >= 16 and V a multiple of {bv}, got K={K}, V={V}")
     qg, kg, w, u, g, Aqk = (x.contiguous() for x in (qg, kg, w, u, g, Aqk))
     s = state if state.is_contiguous() else state.contiguous()
     o = torch.empty_like(u)

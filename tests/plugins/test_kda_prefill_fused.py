@@ -175,17 +175,18 @@ def interpreter_bf16_dot(monkeypatch):
 
 @kernels
 @pytest.mark.parametrize("T", [150, 64])
-@pytest.mark.parametrize("shape", ktk.STATE_SHAPES, ids=lambda s: f"bv{s[0]}")
+@pytest.mark.parametrize("shape", [*ktk.STATE_SHAPES, None], ids=lambda s: f"bv{s[0]}" if s else "d16")
 def test_chunk_state_out_matches_the_recurrence(T, shape, interpreter_bf16_dot, monkeypatch):
     """The fused state/output recurrence of the chunked prefill (ours in place of fla's per-chunk states + output
     kernels) against the same recurrence in torch, bf16 inputs as fla's intra kernels give them: T = 150 is three
-    chunks (the last partial), 64 one; V = 128 in slices of each program shape the launch may pick; a nonzero
-    initial state updated in place.
+    chunks (the last partial), 64 one; V = 128 in slices of each program shape the launch may pick, and head dims of
+    16 (no shape's slice divides V: the whole value dim); a nonzero initial state updated in place.
     The reference rounds where the kernel rounds (truncating under the interpreter, as it does); output within 5e-3
     relative, state 1e-3 (measured in the interpreter: 9.3e-5 and 2.2e-5 at T = 150)."""
-    monkeypatch.setattr(ktk, "STATE_SHAPES", (shape,))
+    if shape is not None:
+        monkeypatch.setattr(ktk, "STATE_SHAPES", (shape,))
     gen = torch.Generator().manual_seed(T)
-    B, H, K, V, dt = 2, 3, 32, 128, torch.bfloat16
+    B, H, K, V, dt = (2, 3, 32, 128, torch.bfloat16) if shape else (2, 3, 16, 16, torch.bfloat16)
     r = lambda *s, sc=1.0: (torch.randn(*s, generator=gen) * sc)  # noqa: E731
     qg, kg, w = (r(B, T, H, K, sc=0.3).to(dt) for _ in range(3))
     u = r(B, T, H, V).to(dt)
@@ -209,7 +210,7 @@ def test_kda_chunk_matches_fla_chunk_kda_on_the_gpu(B, T, H):
     """`kda_chunk` (fla's gate cumsum and intra kernels, then our fused state/output recurrence) against fla-core's
     chunk_kda on the same prepared bf16 inputs and initial state: the same arithmetic but for the per-chunk states'
     round trip through memory (bf16 in both) and fp32 summation order. Output within 2e-3 relative, state 1e-3; the
-    state updated in place. 96 heads give 384 (sequence, head) value slices: more than one wave of some shapes."""
+    state updated in place. 4, 6 and 96 (sequence, head) pairs take the 32-, 32- and 128-column program shapes."""
     pytest.importorskip("fla", reason="the reference is fla-core's chunk_kda")
     from fla.ops.kda import chunk_kda
 
