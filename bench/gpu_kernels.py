@@ -595,8 +595,8 @@ def kda_prefill_section(args):
         record("kda_prefill", case, "fla pipeline: conv x3 + chunk_kda(in-kernel l2/gate/beta) + rms_norm_gated",
                shape, core_bytes + io_bytes, flops, fla_pipeline, graph=False, reps=rp)
         record("kda_prefill", case,
-               "ours: fused pre (carried window, lengths) + fla gate, intra + fused chunk recurrence + fused post", shape,
-               core_bytes + io_bytes, flops, ours, graph=False, reps=rp, check=chk)
+               "ours: fused pre (carried window, lengths) + fla gate, intra + fused chunk recurrence + fused post",
+               shape, core_bytes + io_bytes, flops, ours, graph=False, reps=rp, check=chk)
         _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T)
         record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 6 + T * H * 6, 0,
                lambda: ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre), graph=False, reps=rp)
