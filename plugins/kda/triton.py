@@ -485,15 +485,17 @@ def kda_chunk_state_out(qg, kg, w, u, g, Aqk, state, *, scale: float):
     u [B, T, H, V], g [B, T, H, K] fp32 (the gate's chunk-local cumsum, log2 units; only each chunk's last row is
     read), Aqk [B, T, H, 64]; state [B, H, K, V] fp32 is read as the initial state and overwritten IN PLACE with the
     final one. Returns o [B, T, H, V] in u's dtype."""
-    _need_triton()
     B, T, H, K = qg.shape
     V = u.shape[-1]
+    for name, x, want in (("kg", kg, qg.shape), ("w", w, qg.shape), ("g", g, qg.shape), ("u", u, (B, T, H, V))):
+        _need(tuple(x.shape) == tuple(want), f"kda_chunk_state_out: {name} must be {list(want)}, got {list(x.shape)}")
     _need(state.shape == (B, H, K, V) and state.dtype == torch.float32,
           f"kda_chunk_state_out: state must be fp32 [B, H, K, V] = {[B, H, K, V]}, got {list(state.shape)} "
           f"{state.dtype}")
     _need(Aqk.shape == (B, T, H, CHUNK), f"kda_chunk_state_out: Aqk must be [B, T, H, {CHUNK}], got {list(Aqk.shape)}")
     _need(min(K, V) >= 16 and K & (K - 1) == 0 and V & (V - 1) == 0,
           f"kda_chunk_state_out: the key and value head dims must be powers of two >= 16, got K={K}, V={V}")
+    _need_triton()
     bv, warps, stages = _state_shape(B, H, V, num_sms(state.device))
     qg, kg, w, u, g, Aqk = (x.contiguous() for x in (qg, kg, w, u, g, Aqk))
     s = state if state.is_contiguous() else state.contiguous()

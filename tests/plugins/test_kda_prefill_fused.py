@@ -231,3 +231,23 @@ def test_kda_chunk_matches_fla_chunk_kda_on_the_gpu(B, T, H):
     assert o.dtype == dt and o.shape == v.shape
     assert _rel(o.float(), want_o.float()) < 2e-3, _rel(o.float(), want_o.float())
     assert _rel(S, want_S) < 1e-3, _rel(S, want_S)
+
+
+def test_chunk_state_out_refusals_name_the_field():
+    """Malformed inputs are refused before any launch, naming the field (runs everywhere: meta tensors)."""
+    B, T, H, K, V = 2, 70, 3, 32, 64
+    m = lambda *s, dt=torch.bfloat16: torch.empty(*s, device="meta", dtype=dt)  # noqa: E731
+    ok = {"qg": m(B, T, H, K), "kg": m(B, T, H, K), "w": m(B, T, H, K), "u": m(B, T, H, V),
+          "g": m(B, T, H, K, dt=torch.float32), "Aqk": m(B, T, H, 64), "state": m(B, H, K, V, dt=torch.float32)}
+    for field, bad, msg in (("kg", m(B, T, H, K + 1), "kg must be"), ("u", m(B, T + 1, H, V), "u must be"),
+                            ("g", m(B, T, H, 16, dt=torch.float32), "g must be"),
+                            ("state", m(B, H, K, V), "state must be fp32"), ("Aqk", m(B, T, H, 32), "Aqk must be"),
+                            ("qg", m(B, T, H, 24), "kg must be")):
+        args = {**ok, field: bad}
+        if field == "qg":  # every [B, T, H, K] input follows qg's K: 24 everywhere reaches the head-dim check
+            args = {**ok, **{n: m(B, T, H, 24) for n in ("qg", "kg", "w")}, "g": m(B, T, H, 24, dt=torch.float32),
+                    "state": m(B, H, 24, V, dt=torch.float32)}
+            msg = "powers of two >= 16"
+        with pytest.raises(ValueError, match=msg):
+            ktk.kda_chunk_state_out(args.pop("qg"), args.pop("kg"), args.pop("w"), args.pop("u"), args.pop("g"),
+                                    args.pop("Aqk"), args.pop("state"), scale=1.0)
