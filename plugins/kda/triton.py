@@ -12,7 +12,7 @@ plugins/kda/reference.py (`kda_step_ref`, `kda_output_norm_ref`) and the cuda ba
   a program walks its span token by token over 512 channels (4 heads of 128) of each of q / k / v, the conv's three
   previous rows carried in registers (each element of u loaded once), conv over [carried window | u] (the window
   advanced in place by the first span's program) + SiLU for q/k/v, L2 norm of q/k (q scaled), beta sigmoid, the gate
-  input f set to -inf in place on padding rows (the gate itself is computed in fla's chunk_kda).
+  input f set to -inf in place on padding rows (the gate itself is computed by fla's gate cumsum in `kda_chunk`).
 - `kda_decode_prepare`: one decode token's delta-rule inputs in one launch: conv over the carried window (advanced in
   place) + SiLU for q/k/v, L2 norm of q/k (q scaled), safe gate and beta sigmoid, zeroed on padding rows.
 - `kda_output_norm_gate`: per-head RMSNorm * weight * sigmoid(gate).

@@ -1,18 +1,19 @@
 """The cuda backend's fused KDA prefill (plugins/kda/cuda.py `prefill_fused`: the projections, the Triton pre-kernel
-`kda_prefill_prepare`, fla-core's chunk_kda with its in-kernel gate, the output norm-and-gate kernel) against the
-torch form it replaces (`prepare` + the recurrence + the torch post-work), on fresh random inputs with a carried conv
-window and rows of every kind: a full row, a row ending mid-chunk, a row of two tokens (its new window takes a row of
-the old one) and a padding row (lengths 0: its window and state must not move); T not a multiple of the kernel's
-32-token spans and heads not a multiple of the kernel's head block.
+`kda_prefill_prepare`, the chunked core `kda_chunk` (fla-core's gate cumsum and intra kernels, then our fused chunk
+recurrence), the output norm-and-gate kernel) against the torch form it replaces (`prepare` + the recurrence + the
+torch post-work), on fresh random inputs with a carried conv window and rows of every kind: a full row, a row ending
+mid-chunk, a row of two tokens (its new window takes a row of the old one) and a padding row (lengths 0: its window
+and state must not move); T not a multiple of the kernel's 32-token spans and heads not a multiple of the kernel's
+head block.
 
-Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise; the
-whole-layer test needs fla-core's chunk_kda, so a CUDA GPU. Tolerances: float32 q, k, v, beta and the gate made from
-the masked f within 1e-5 relative (norm), f (masked in place: -inf on padding rows, the rest untouched) and the new
-window equal exactly; bfloat16 q and k within 1e-2
-(the kernel hands chunk_kda q and k in u's dtype, the torch form keeps them in float32 until then), v and the window
-within one bf16 ulp (the interpreter truncates casts to bf16, the GPU rounds). The layer (bfloat16): output and state
-within 2e-2 / 1e-2 of the torch form on the same GPU; in float32 the fused prefill declines (fla's dots would take the
-operands in TF32). The refusal test runs everywhere.
+Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise; the whole-layer
+test needs fla-core's gate and intra kernels, so a CUDA GPU (and the chunk-core test fla's chunk_kda). Tolerances:
+float32 q, k, v, beta and the gate made from the masked f within 1e-5 relative (norm), f (masked in place: -inf on
+padding rows, the rest untouched) and the new window equal exactly; bfloat16 q and k within 1e-2 (the kernel hands
+the chunked core q and k in u's dtype, the torch form keeps them in float32 until then), v and the window within one bf16 ulp
+(the interpreter truncates casts to bf16, the GPU rounds). The layer (bfloat16): output and state within 2e-2 / 1e-2 of
+the torch form on the same GPU; in float32 the fused prefill declines (fla's dots would take the operands in TF32). The
+refusal test runs everywhere.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_kda_kernel_on_the_gpu_declines_the_fused_prefill_in_float32():
 def test_kda_kernel_on_the_gpu_takes_the_fused_prefill(monkeypatch):
     """kimi.KDA's cuda kernel at T > 1 on bf16 CUDA tensors (the fused path) equals the same kernel on the torch
     form."""
-    pytest.importorskip("fla", reason="the fused prefill runs fla-core's chunk_kda")
+    pytest.importorskip("fla", reason="the fused prefill runs fla-core's gate and intra kernels")
     dt = torch.bfloat16
     gen = torch.Generator().manual_seed(8)
     T = 150
