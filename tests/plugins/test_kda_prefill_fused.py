@@ -9,11 +9,11 @@ head block.
 Kernel tests run on a CUDA GPU, or on CPU tensors under TRITON_INTERPRET=1, and skip cleanly otherwise; the whole-layer
 test needs fla-core's gate and intra kernels, so a CUDA GPU (and the chunk-core test fla's chunk_kda). Tolerances:
 float32 q, k, v, beta and the gate made from the masked f within 1e-5 relative (norm), f (masked in place: -inf on
-padding rows, the rest untouched) and the new window equal exactly; bfloat16 q and k within 1e-2 (the kernel hands
-the chunked core q and k in u's dtype, the torch form keeps them in float32 until then), v and the window within one bf16 ulp
-(the interpreter truncates casts to bf16, the GPU rounds). The layer (bfloat16): output and state within 2e-2 / 1e-2 of
-the torch form on the same GPU; in float32 the fused prefill declines (fla's dots would take the operands in TF32). The
-refusal test runs everywhere.
+padding rows, the rest untouched) and the new window equal exactly; bfloat16 q and k within 1e-2 (the kernel hands the
+chunked core q and k in u's dtype, the torch form keeps them in float32 until then), v and the window within one bf16
+ulp (the interpreter truncates casts to bf16, the GPU rounds). The layer (bfloat16): output and state within 2e-2 / 1e-2
+of the torch form on the same GPU; in float32 the fused prefill declines (fla's dots would take the operands in TF32).
+The refusal test runs everywhere.
 """
 
 from __future__ import annotations
