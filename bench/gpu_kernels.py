@@ -598,7 +598,6 @@ def kda_prefill_section(args):
                "ours: fused pre (carried window, lengths) + fla gate, intra + fused chunk recurrence + fused post",
                shape, core_bytes + io_bytes, flops, ours, graph=False, reps=rp, check=chk)
         _flashkda_rows(case, shape, xq, xk, xv, wq, wk, wv, f, b, A_log, dt_bias, core_bytes, flops, rp, H, D, T)
-        flush_json(args)  # each head count's rows kept if the next one is cut short
         record("kda_prefill", case, "ours: fused pre-kernel alone", shape, T * C * 2 * 6 + T * H * 6, 0,
                lambda: ktk.kda_prefill_prepare(u, window, cw, f, b, lengths, **pre), graph=False, reps=rp)
         if H == 12 and not args.quick:  # --quick: ours and the published kernels only, no eager baseline
