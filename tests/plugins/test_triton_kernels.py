@@ -447,6 +447,25 @@ def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
         assert bool((oi[r, m:] == -1).all()) and bool((os_[r, m:] == MASKED).all())
 
 
+def _candidate_count(sc, gm, n, topk, ngb=4096):
+    """Stage 2's candidate count of one row as its docstring specifies it: the row's ng group maxima merged into
+    min(ng, ngb) groups of adjacent maxima (sizes differing by at most one, the larger first); T = the top 16 bits of
+    the k-th largest merged maximum's order key (k = min(n, topk); every position when there are fewer groups than
+    k); the positions whose score key is >= T."""
+    def key(x):
+        b = x.contiguous().view(torch.int32).long()
+        return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+    k = min(n, topk)
+    ng = -(-n // itk._group_size(64))
+    q, r = divmod(ng, ngb)
+    if min(ng, ngb) < k:
+        return n
+    sizes = [q + (g < r) for g in range(min(ng, ngb))]
+    merged = torch.stack([part.max() for part in torch.split(gm[:ng], sizes)])
+    t = (int(key(merged).sort(descending=True).values[k - 1]) >> 16) << 16
+    return int((key(sc[:n]) >= t).sum())
+
+
 @pytest.mark.skipif(itk.triton is None or not (torch.cuda.is_available() or _INTERP),
                     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
 def test_indexer_candidates_follow_the_rows_length():
@@ -476,6 +495,7 @@ def test_indexer_candidates_follow_the_rows_length():
         kth = sc[r, :n].topk(min(n, topk)).values[-1]
         top = (sc[r, :n] >= kth).nonzero().flatten()
         assert bool(torch.isin(top, ws[3][r][:c].cpu().long()).all())  # every top-k score is a candidate
+        assert c == _candidate_count(sc[r], gm[r], n, topk), (n, c)  # the threshold exactly as specified
     ws[4].zero_()
     out_i = torch.full((R, topk), -7, dtype=torch.int32, device=dev)
     out_s = torch.full((R, topk), float("nan"), device=dev)
