@@ -37,13 +37,12 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
    GROUP = 4 positions into a workspace.
 2. `_cand_kernel` (grid rows x slices): the row's group maxima merged into min(their number, NGB) (~2 topk) groups
    of adjacent maxima, sizes differing by at most one, by the row's own length L; T = the top 16 key bits of the
-   k-th largest of them (radix select in registers, 4 passes of a 16-bin histogram; k = min(topk, L)): at least k
-   scores are >= T, so every top-k score is a candidate; each program appends its slice's candidates (atomic slot
-   counter per row; typically 1.2-1.5 k of them where L >= 4 k).
-3. `_final_kernel` (one program per row): exact selection among the candidates: the k-th key by radix select, 4 bits
-   a pass (stops once exactly k keys are >= the prefix found; all candidates taken when there are at most k; past
-   4096 candidates a bisection over chunked loads), ties to the lower position (a bisection on position), slots by
-   prefix sum; -1 / -inf past k; resets the counter.
+   k-th largest of them (bisection in registers; k = min(topk, L)): at least k scores are >= T, so every top-k score
+   is a candidate; each program appends its slice's candidates (atomic slot counter per row; typically 1.2-1.5 k of
+   them where L >= 4 k).
+3. `_final_kernel` (one program per row): exact selection among the candidates: bisection for the k-th key (stops
+   once exactly k keys are >= mid; all candidates taken when there are at most k), ties to the lower position (a
+   second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
 `indexer_topk_rows` runs these three (indices int32 in no particular order). `indexer_topk` runs them between two
 kernels of its own: `_rows_kernel` (each row's sequence and visible length from start / lengths) before, and
 `_rank_kernel` after. There `_final_kernel` writes each selected slot's fp64 order key (`_dkey`: score and position
@@ -222,64 +221,32 @@ if triton is not None:
         return c
 
     @triton.jit
-    def _radix_kth(uk, m, target, run, NBITS: tl.constexpr, EARLY: tl.constexpr):
-        # radix select over NBITS-bit values uk (uint32) where m, 4 bits a pass from the top, one 16-bin
-        # histogram each: (t, c) with t the largest value such that c = #(uk >= t) >= target (target >= 1, at most
-        # the count of m). EARLY: stop once exactly `target` values are >= the prefix found so far (t then has zero
-        # low bits; `uk >= t` is the same selection). run false: no pass, (0, 0)
-        bins = tl.arange(0, 16)
-        z = target * 0
-        s = z + (NBITS - 4)
-        pre = z.to(tl.uint32)
-        need = target  # values still to take among those matching the prefix
-        gtc = z  # values above the prefix's range
-        c = z
-        go = run.to(tl.int32)
-        while go != 0:
-            act = m & (((uk >> s) >> 4) == ((pre >> s) >> 4))  # two shifts: s + 4 may be 32
-            h = tl.histogram(((uk >> s) & 15).to(tl.int32), 16, mask=act)
-            ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # active values whose digit is >= each bin
-            b = tl.max(tl.where(ge >= need, bins, 0), 0)
-            geb = tl.sum(tl.where(bins == b, ge, 0), 0)
-            gtb = geb - tl.sum(tl.where(bins == b, h, 0), 0)
-            pre += b.to(tl.uint32) << s
-            c = gtc + geb
-            exact = geb == need
-            need -= gtb
-            gtc += gtb
-            s -= 4
-            if EARLY:
-                go = ((s >= 0) & (exact == 0)).to(tl.int32)
-            else:
-                go = (s >= 0).to(tl.int32)
-        return pre, c
-
-    @triton.jit
     def _select_body(CS, CP, base, nc, target, L, xr, pr, OUT_I, OUT_S, obase, INREG: tl.constexpr,
                      CH: tl.constexpr, KEYS: tl.constexpr):
-        # exact top-`target` of the nc candidates: the target-th largest key (INREG: radix select, stopping as soon
-        # as exactly `target` keys are >= the prefix found; else bisection over chunked loads, stopping at exactly
-        # `target` keys >= mid); ties to the lower position (a bisection on position, over [0, L)). target == nc: all of them, no search. xr / pr: the first CH candidate slots.
+        # exact top-`target` of the nc candidates: the target-th largest key by bisection between the keys' min and
+        # max, stopping as soon as exactly `target` keys are >= mid; ties to the lower position (a second bisection
+        # on position, over [0, L)). target == nc: all of them, no search. xr / pr: the first CH candidate slots.
         # KEYS: one fp64 order key per slot (_dkey) into OUT_I instead of the position / score pair
         ar = tl.arange(0, CH)
         m = ar < nc
         kr = tl.where(m, _key(xr), -2147483648)
         z64 = nc.to(tl.int64) * 0
-        if INREG:  # radix select over the unsigned image of the keys, 4 bits a pass
-            t, c = _radix_kth((kr ^ -2147483648).to(tl.uint32, bitcast=True), m, target, target < nc, 32, True)
-            lo = tl.where(target >= nc, z64 - 2147483647, (t.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.int64))  # target >= nc: every candidate, no search
-            cge = tl.where(target >= nc, nc, c)
+        cge = nc  # keys >= lo
+        if INREG:
+            lo = z64 + tl.min(tl.where(m, kr, 2147483647), 0)
+            hi = z64 + tl.max(kr, 0)
         else:
-            cge = nc  # keys >= lo
             lo = z64 - 2147483647
-            hi = tl.where(target >= nc, lo, z64 + 2147483647)  # target >= nc: every candidate, no search
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                c = _count(CS, CP, base, nc, kr, pr, mid.to(tl.int32), 0, 0, INREG, CH)
-                ok = c >= target
-                lo = tl.where(ok, mid, lo)
-                cge = tl.where(ok, c, cge)
-                hi = tl.where(ok, tl.where(c == target, mid, hi), mid - 1)
+            hi = z64 + 2147483647
+        lo = tl.where(target >= nc, z64 - 2147483647, lo)  # every candidate is selected: no search
+        hi = tl.where(target >= nc, lo, hi)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            c = _count(CS, CP, base, nc, kr, pr, mid.to(tl.int32), 0, 0, INREG, CH)
+            ok = c >= target
+            lo = tl.where(ok, mid, lo)
+            cge = tl.where(ok, c, cge)
+            hi = tl.where(ok, tl.where(c == target, mid, hi), mid - 1)
         tk = lo.to(tl.int32)
         ngt = _count(CS, CP, base, nc, kr, pr, tk, 0, 1, INREG, CH)
         neq = cge - ngt
@@ -327,7 +294,7 @@ if triton is not None:
         # top-keff score is a candidate. The score kernels write the max of every G positions; the row's ng of them
         # are merged into min(ng, NGB) groups (NGB about 2 topk) of adjacent maxima whose sizes differ by at most one
         # (the first ng % NGB groups hold one more), by the row's own length, so a short row in a long cache still
-        # gets about 2 keff groups, and held in registers for the radix select. (Merging a power-of-two F at a time left
+        # gets about 2 keff groups, and held in registers for the bisection. (Merging a power-of-two F at a time left
         # ceil(ng / F) groups, barely above keff for rows just past a power of two: a 32769-position row had 2049
         # groups, its threshold near the smallest group max, and a third of its positions as candidates.) Each
         # program recomputes T (same data, same result) and appends the candidates of its slice of the row (atomic
@@ -352,18 +319,18 @@ if triton is not None:
         gbase = r.to(tl.int64) * ngcap
         ga = tl.arange(0, NGB)
         gk = tl.full([NGB], -2147483648, tl.int32)
-        a0 = ga * gq + tl.minimum(ga, grem)  # group g: maxima g gq + min(g, grem) + [0, gq + (g < grem))
-        nf = gq + (ga < grem).to(tl.int32)
-        for f in range(0, gq + (grem > 0).to(tl.int32), 2):  # two loads in flight a step
-            m0 = f < nf
-            m1 = f + 1 < nf
-            x0 = tl.load(GM + gbase + a0 + f, mask=m0, other=0.0)
-            x1 = tl.load(GM + gbase + a0 + f + 1, mask=m1, other=0.0)
-            gk = tl.maximum(gk, tl.maximum(tl.where(m0, _key(x0), -2147483648), tl.where(m1, _key(x1), -2147483648)))
-        # the top 16 bits of the keff-th largest merged maximum by radix select (4 passes of 4 bits); fewer merged
-        # groups than keff: every position is a candidate
-        t16, _ = _radix_kth(((gk >> 16) + 32768).to(tl.uint32), ga < ngc, keff, ngc >= keff, 16, False)
-        T = tl.where(ngc >= keff, (t16.to(tl.int32) - 32768) << 16, -2147483648)
+        for f in range(0, gq + (grem > 0).to(tl.int32)):  # group g: maxima g gq + min(g, grem) + [0, gq + (g < grem))
+            a = ga * gq + tl.minimum(ga, grem) + f
+            m = f < gq + (ga < grem).to(tl.int32)
+            gk = tl.maximum(gk, tl.where(m, _key(tl.load(GM + gbase + a, mask=m, other=0.0)), -2147483648))
+        lo = L * 0 - 32768
+        hi = tl.where(ngc >= keff, 32767, -32768)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((gk >= (mid << 16)).to(tl.int32), 0) >= keff
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        T = lo << 16
         _append(CS, CP, CNT, r, cbase, x, pos, valid & (_key(x) >= T))
         for b0 in range(p0 + BLK, p1, BLK):
             pos = b0 + tl.arange(0, BLK)
