@@ -476,8 +476,8 @@ def test_indexer_candidates_follow_the_rows_length():
     (4), 12000 (1), 1500 (< topk: every position) and 32772 positions, topk 2048. The last is just past a power of
     two: merged a power-of-two F at a time it had 2049 groups and 33% of its positions passed (measured on the e2e
     decode's scores at 32769 positions: 10.5K candidates); in 4096 groups of 2-3 maxima, 8%. Expected candidate
-    shares for independent scores: 9%, 4%, 25%, 100%, 8%; asserted below 15%, 8%, 35%, -, 12%, and the selections
-    exact."""
+    shares for independent scores: 9%, 4%, 25%, 100%, 8%; asserted below 15%, 8%, 35%, -, 12%, each count equal to
+    the one the kernel's specification gives (`_candidate_count`), and the selections exact."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5)
     lens, topk, cap = [30000, 65536, 12000, 1500, 32772], 2048, 65536
