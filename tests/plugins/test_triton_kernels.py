@@ -406,6 +406,12 @@ def test_indexer_backend_kernel_writes_into_the_executors_slots():
 _INTERP = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _order_key(x):
+    """The kernels' order-preserving int32 image of fp32 scores (`_key`), as int64."""
+    b = x.contiguous().view(torch.int32).long()
+    return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
 @pytest.mark.skipif(itk.triton is None or not (torch.cuda.is_available() or _INTERP),
                     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
 @pytest.mark.parametrize("shape", [(64, 4), (128, 2), (32, 4)])
@@ -438,8 +444,7 @@ def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
     itk._rank(keys, topk, oi, os_)
     oi, os_ = oi.cpu(), os_.cpu()
     for r, n in enumerate(lens):
-        b = sc[r, :n].view(torch.int32).long()
-        k = torch.where(b < 0, b ^ 0x7FFFFFFF, b)
+        k = _order_key(sc[r, :n])
         order = torch.tensor(sorted(range(n), key=lambda i: (-int(k[i]), i))[:topk], dtype=torch.int64)
         m = min(n, topk)
         assert torch.equal(oi[r, :m], order)
@@ -452,9 +457,6 @@ def _candidate_count(sc, gm, n, topk, ngb=4096):
     min(ng, ngb) groups of adjacent maxima (sizes differing by at most one, the larger first); T = the top 16 bits of
     the k-th largest merged maximum's order key (k = min(n, topk); every position when there are fewer groups than
     k); the positions whose score key is >= T."""
-    def key(x):
-        b = x.contiguous().view(torch.int32).long()
-        return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
     k = min(n, topk)
     ng = -(-n // itk._group_size(64))
     q, r = divmod(ng, ngb)
@@ -462,8 +464,8 @@ def _candidate_count(sc, gm, n, topk, ngb=4096):
         return n
     sizes = [q + (g < r) for g in range(min(ng, ngb))]
     merged = torch.stack([part.max() for part in torch.split(gm[:ng], sizes)])
-    t = (int(key(merged).sort(descending=True).values[k - 1]) >> 16) << 16
-    return int((key(sc[:n]) >= t).sum())
+    t = (int(_order_key(merged).sort(descending=True).values[k - 1]) >> 16) << 16
+    return int((_order_key(sc[:n]) >= t).sum())
 
 
 @pytest.mark.skipif(itk.triton is None or not (torch.cuda.is_available() or _INTERP),
