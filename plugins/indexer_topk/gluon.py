@@ -15,7 +15,7 @@ the host sizes from the capacity). Per page:
 - codes -> fp16 pre-scaled by 2^(e_g - e_max) (exact above fp16's range floor) in the wgmma A-operand layout, four
   chained async wgmmas against q^T (fp16 in shared memory, scaled into range by a power of two: exact for bf16 q);
 - score = sum_h w[h] * relu(acc[:, h]) * 2^(e_max - 127), stored for positions < L, and the max of every group of G
-  positions (-inf for positions >= L) stored for the threshold select.
+  positions and of every GC (-inf for positions >= L) stored for the threshold select.
 Two thread barriers per page: ours guarding the refill of the slot read by the previous page, and one the compiler
 places between the barrier's expect and the TMA.
 """
@@ -79,8 +79,9 @@ if gluon is not None:
         return c * _pow2(((ev >> (8 * g)) & 255) - emax).to(gl.float16)[:, None]
 
     @gluon.jit
-    def _page(cbuf, sbuf, bar, phase, qbuf, wv, SC, GM, obase, gbase, pg, L,
-              BS: gl.constexpr, H: gl.constexpr, G: gl.constexpr, mma: gl.constexpr, aop: gl.constexpr):
+    def _page(cbuf, sbuf, bar, phase, qbuf, wv, SC, GM, obase, gbase, nfine, pg, L,
+              BS: gl.constexpr, H: gl.constexpr, G: gl.constexpr, GC: gl.constexpr, mma: gl.constexpr,
+              aop: gl.constexpr):
         # one page from its ring slot: the rows' four E8M0 bytes in the two layouts they are used in (A rows,
         # accumulator rows), the four chained wgmmas, the epilogue and the stores
         row_c: gl.constexpr = gl.SliceLayout(1, mma)
@@ -103,12 +104,15 @@ if gluon is not None:
         pos = pg * BS + gl.arange(0, BS, layout=row_c)
         valid = pos < L
         gl.store(SC + obase + pos, sc, mask=valid)
-        gm = gl.max(gl.reshape(gl.where(valid, sc, float("-inf")), [BS // G, G]), axis=1)
+        sv = gl.where(valid, sc, float("-inf"))
+        gm = gl.max(gl.reshape(sv, [BS // G, G]), axis=1)
         gl.store(GM + gbase + pg * (BS // G) + gl.arange(0, BS // G, layout=gm.type.layout), gm)
+        gc = gl.max(gl.reshape(sv, [BS // GC, GC]), axis=1)
+        gl.store(GM + gbase + nfine + pg * (BS // GC) + gl.arange(0, BS // GC, layout=gc.type.layout), gc)
 
     @gluon.jit
-    def _score_kernel(Q, W, KD, SD, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, ppp,
-                      BS: gl.constexpr, H: gl.constexpr, G: gl.constexpr, NS: gl.constexpr):
+    def _score_kernel(Q, W, KD, SD, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, gstride, nfine, ppp,
+                      BS: gl.constexpr, H: gl.constexpr, G: gl.constexpr, GC: gl.constexpr, NS: gl.constexpr):
         gl.static_assert(gl.num_warps() == 4, "one warpgroup")
         gl.static_assert(NS == 2, "two ring slots")
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, H, 16])
@@ -172,7 +176,7 @@ if gluon is not None:
             blk = _issue(KD, SD, BT, bt_row, blk, bars[k], cb[k], sb[k], k, n, BS)
 
         obase = r.to(gl.int64) * cap
-        gbase = r.to(gl.int64) * ngcap
+        gbase = r.to(gl.int64) * gstride
         for i0 in range(0, n, NS):
             for k in gl.static_range(NS):
                 i = i0 + k
@@ -180,8 +184,8 @@ if gluon is not None:
                     gl.thread_barrier()  # every warp has read the slot refilled below (page i - 1)
                     kk: gl.constexpr = (k + NS - 1) % NS
                     blk = _issue(KD, SD, BT, bt_row, blk, bars[kk], cb[kk], sb[kk], i + NS - 1, n, BS)
-                    _page(cb[k], sb[k], bars[k], (i // NS) & 1, qbuf, wv, SC, GM, obase, gbase, p0 + i, L, BS, H, G,
-                          mma, aop)
+                    _page(cb[k], sb[k], bars[k], (i // NS) & 1, qbuf, wv, SC, GM, obase, gbase, nfine, p0 + i, L, BS,
+                          H, G, GC, mma, aop)
 
         for k in gl.static_range(NS):
             mbarrier.invalidate(bars[k])
@@ -200,18 +204,18 @@ def applies(k_codes, heads: int) -> str | None:
 
 
 def launch_scores(q, weights, k_codes, k_scales, block_table, row_seq, row_len, ws, cap: int, ngcap: int, G: int,
-                  ppp: int) -> None:
+                  GC: int, ppp: int) -> None:
     """Stage 1 with `_score_kernel`: scores and group maxima of every row into the workspace ws = (scores [R, cap],
-    group maxima [R, ngcap], ...); q [R, 64, 128] bf16 contiguous, weights [R, 64] fp32 contiguous, block_table
-    int32 [S, MB]."""
+    maxima [R, ngcap + cap / GC]: ngcap of G positions, then those of GC positions, ...); q [R, 64, 128] bf16
+    contiguous, weights [R, 64] fp32 contiguous, block_table int32 [S, MB]."""
     import triton
 
     R, H, _ = q.shape
     bs = k_codes.shape[1]
     kd, sd = descriptors(k_codes, k_scales)
     _score_kernel[(R, triton.cdiv(triton.cdiv(cap, bs), ppp))](
-        q, weights, kd, sd, block_table, row_seq, row_len, ws[0], ws[1], block_table.stride(0), cap, ngcap, ppp,
-        BS=bs, H=H, G=G, NS=RING, num_warps=4)
+        q, weights, kd, sd, block_table, row_seq, row_len, ws[0], ws[1], block_table.stride(0), cap, ws[1].shape[1],
+        ngcap, ppp, BS=bs, H=H, G=G, GC=GC, NS=RING, num_warps=4)
 
 
 def descriptors(k_codes, k_scales):

@@ -34,12 +34,12 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
    the E8M0 exponent of each 32-dim group of a key, e_max the key's largest: exact above fp16's range floor), four fp16
    tensor-core dots [BS, 32] x [32, H] against q (scaled by a power of two into fp16 range: exact for bf16 q), ReLU,
    head weights, head sum, times 2^(e_max - 127). Writes fp32 scores [R, cap] and the max of every group of
-   GROUP = 4 positions into a workspace.
-2. `_cand_kernel` (grid rows x slices): the row's group maxima merged into min(their number, NGB) (~2 topk) groups
-   of adjacent maxima, sizes differing by at most one, by the row's own length L; T = the top 16 key bits of the
-   k-th largest of them (bisection in registers; k = min(topk, L)): at least k scores are >= T, so every top-k score
-   is a candidate; each program appends its slice's candidates (atomic slot counter per row; typically 1.2-1.5 k of
-   them where L >= 4 k).
+   GROUP = 4 positions and of every COARSE = 16 into a workspace.
+2. `_cand_kernel` (grid rows x slices): the row's group maxima (the coarse ones where ceil(L / COARSE) >= NGB)
+   merged into min(their number, NGB) (~2 topk) groups of adjacent maxima, sizes differing by at most one, by the
+   row's own length L; T = the top 16 key bits of the k-th largest of them (bisection in registers; k = min(topk,
+   L)): at least k scores are >= T, so every top-k score is a candidate; each program appends its slice's
+   candidates (atomic slot counter per row; typically 1.2-1.5 k of them where L >= 4 k).
 3. `_final_kernel` (one program per row): exact selection among the candidates: bisection for the k-th key (stops
    once exactly k keys are >= mid; all candidates taken when there are at most k), ties to the lower position (a
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
@@ -81,6 +81,7 @@ SCORE_WARPS = 4  # the Triton score kernel
 SCORE_STAGES = 3  # its software pipeline depth (tl.range): next page's loads in flight while this one computes
 PROGS_PER_SM = 4  # score programs per SM over all rows
 GROUP = 4  # positions per group maximum (stage 1 writes them, stage 2 merges them by the row's length)
+COARSE = 16  # positions per coarse maximum, the second level stage 1 writes (stage 2 reads it for long rows)
 CAND_WARPS, CAND_PROGS_PER_SM, FINAL_WARPS = 4, 2, 8  # the two select kernels
 RANK_CHK, RANK_STAGES = 128, 3  # the rank kernel: keys per step (CHK // W per warp), its pipeline depth (tl.range)
 RANK_PROGS_PER_SM = 2  # from this many programs per SM: 128 slots and 2 warps per rank program, else 64 and 4
@@ -121,16 +122,17 @@ if triton is not None:
 
     # ------------------------------------------------------------------ stage 1, strategy "triton"
     @triton.jit
-    def _score_kernel(Q, W, KC, KD, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, ngcap, ppp,
-                      BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, TMA: tl.constexpr,
-                      PPB: tl.constexpr):
+    def _score_kernel(Q, W, KC, KD, KS, BT, ROW_SEQ, ROW_LEN, SC, GM, stride_bt, cap, gstride, nfine, ppp,
+                      BS: tl.constexpr, H: tl.constexpr, G: tl.constexpr, GC: tl.constexpr, NS: tl.constexpr,
+                      TMA: tl.constexpr, PPB: tl.constexpr):
         # Grid (rows, programs per row); program (r, s) scores pages [s * ppr, s * ppr + ppr) of row r, clipped to
         # its length L, ppr = the row's pages over the row's programs (at most ppp). One step = one cache page (BS
         # keys): the page's four 32-column code groups arrive by TMA
         # (KD, a [rows, 128] fp8 descriptor with a [BS, 32] box) or by plain loads (KC), software-pipelined NS deep
         # by tl.range; the four E8M0 scales load as one int32 per row (KS). PPB > 0: the program's block-table
-        # entries load once, then are picked per page from registers. Writes scores for positions < L and the max
-        # of every group of G positions (-inf past L).
+        # entries load once, then are picked per page from registers. Writes scores for positions < L, the max of
+        # every group of G positions (-inf past L) and of every GC positions (row r's maxima: GM[r * gstride + ..],
+        # the coarse ones from nfine on).
         r = tl.program_id(0)
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
@@ -158,8 +160,10 @@ if triton is not None:
             pos = pg * BS + n
             valid = pos < L
             tl.store(SC + obase + pos, sc, mask=valid)
-            gm = tl.max(tl.reshape(tl.where(valid, sc, float("-inf")), [BS // G, G]), 1)
-            tl.store(GM + r.to(tl.int64) * ngcap + pg * (BS // G) + tl.arange(0, BS // G), gm)
+            sv = tl.where(valid, sc, float("-inf"))
+            gb = GM + r.to(tl.int64) * gstride
+            tl.store(gb + pg * (BS // G) + tl.arange(0, BS // G), tl.max(tl.reshape(sv, [BS // G, G]), 1))
+            tl.store(gb + nfine + pg * (BS // GC) + tl.arange(0, BS // GC), tl.max(tl.reshape(sv, [BS // GC, GC]), 1))
 
     @triton.jit
     def _page_scores(KC, KD, KS, blk, n, d, q0, q1, q2, q3, BS: tl.constexpr, TMA: tl.constexpr):
@@ -288,17 +292,19 @@ if triton is not None:
             tl.store(OUT_S + off, x, mask=m)
 
     @triton.jit
-    def _cand_kernel(SC, GM, CS, CP, CNT, ROW_LEN, cap, ngcap, chunk, topk, G: tl.constexpr, NGB: tl.constexpr,
-                     BLK: tl.constexpr):
+    def _cand_kernel(SC, GM, CS, CP, CNT, ROW_LEN, cap, gstride, nfine, chunk, topk, G: tl.constexpr,
+                     GC: tl.constexpr, NGB: tl.constexpr, BLK: tl.constexpr):
         # Threshold T = (top 16 bits of) the keff-th largest group max: at least keff scores are >= T, so every
-        # top-keff score is a candidate. The score kernels write the max of every G positions; the row's ng of them
-        # are merged into min(ng, NGB) groups (NGB about 2 topk) of adjacent maxima whose sizes differ by at most one
-        # (the first ng % NGB groups hold one more), by the row's own length, so a short row in a long cache still
-        # gets about 2 keff groups, and held in registers for the bisection. (Merging a power-of-two F at a time left
-        # ceil(ng / F) groups, barely above keff for rows just past a power of two: a 32769-position row had 2049
-        # groups, its threshold near the smallest group max, and a third of its positions as candidates.) Each
-        # program recomputes T (same data, same result) and appends the candidates of its slice of the row (atomic
-        # slot counter per row).
+        # top-keff score is a candidate. The score kernels write the max of every G positions and of every GC; a
+        # row of at least NGB * GC positions reads the coarse ones (fewer passes), a shorter row the fine ones. The
+        # row's ng maxima are merged into min(ng, NGB) groups (NGB about 2 topk) of adjacent maxima whose sizes
+        # differ by at most one (the first ng % NGB groups hold one more), by the row's own length, so a short row
+        # in a long cache still gets about 2 keff groups, and held in registers for the bisection, which starts
+        # from the top 16 bits of their smallest and largest. (Merging a power-of-two F at a time left ceil(ng / F)
+        # groups, barely above keff for rows just past a power of two: a 32769-position row had 2049 groups, its
+        # threshold near the smallest group max, and a third of its positions as candidates.) Each program
+        # recomputes T (same data, same result) and appends the candidates of its slice of the row (atomic slot
+        # counter per row).
         r = tl.program_id(0)
         s = tl.program_id(1)
         L = tl.load(ROW_LEN + r)
@@ -312,19 +318,23 @@ if triton is not None:
         pos = p0 + tl.arange(0, BLK)  # the slice's first block is loaded before the search: its latency overlaps
         valid = pos < p1
         x = tl.load(SC + cbase + pos, mask=valid, other=0.0)
-        ng = tl.cdiv(L, G)
+        coarse = tl.cdiv(L, GC) >= NGB
+        ng = tl.where(coarse, tl.cdiv(L, GC), tl.cdiv(L, G))
         gq = ng // NGB
         grem = ng % NGB
         ngc = tl.minimum(ng, NGB)
-        gbase = r.to(tl.int64) * ngcap
+        gbase = r.to(tl.int64) * gstride + tl.where(coarse, nfine, 0)
         ga = tl.arange(0, NGB)
         gk = tl.full([NGB], -2147483648, tl.int32)
         for f in range(0, gq + (grem > 0).to(tl.int32)):  # group g: maxima g gq + min(g, grem) + [0, gq + (g < grem))
             a = ga * gq + tl.minimum(ga, grem) + f
             m = f < gq + (ga < grem).to(tl.int32)
             gk = tl.maximum(gk, tl.where(m, _key(tl.load(GM + gbase + a, mask=m, other=0.0)), -2147483648))
-        lo = L * 0 - 32768
-        hi = tl.where(ngc >= keff, 32767, -32768)
+        # the answer lies between the top 16 bits of the smallest merged maximum (every group is at or above it) and
+        # of the largest (none above it); fewer groups than keff: T = INT_MIN, every position
+        has = ngc >= keff
+        lo = tl.where(has, tl.min(tl.where(ga < ngc, gk, 2147483647), 0) >> 16, -32768)
+        hi = tl.where(has, tl.max(gk, 0) >> 16, -32768)
         while lo < hi:
             mid = lo + (hi - lo + 1) // 2
             ok = tl.sum((gk >= (mid << 16)).to(tl.int32), 0) >= keff
@@ -543,14 +553,19 @@ def _group_size(bs: int) -> int:
     return min(GROUP, bs)
 
 
+def _gstride(cap: int, ngcap: int) -> int:
+    """A row's maxima in the workspace: ngcap of G positions, then cap / COARSE of COARSE positions."""
+    return ngcap + cap // COARSE
+
+
 def _workspace(dev, R: int, cap: int, ngcap: int):
-    """(scores, group maxima, candidate scores, candidate positions, candidate counters), cached per shape; the
-    counters reset themselves, so a workspace must not serve two calls in flight on different streams."""
+    """(scores, group maxima [R, _gstride], candidate scores, candidate positions, candidate counters), cached per
+    shape; the counters reset themselves, so a workspace must not serve two calls in flight on different streams."""
     key = (str(dev), R, cap, ngcap)
     ws = _WS.get(key)
     if ws is None:
         f32 = dict(dtype=torch.float32, device=dev)
-        ws = (torch.empty(R, cap, **f32), torch.empty(R, ngcap, **f32), torch.empty(R, cap, **f32),
+        ws = (torch.empty(R, cap, **f32), torch.empty(R, _gstride(cap, ngcap), **f32), torch.empty(R, cap, **f32),
               torch.empty(R, cap, dtype=torch.int32, device=dev), torch.zeros(R, dtype=torch.int32, device=dev))
         _WS[key] = ws
     return ws
@@ -573,7 +588,7 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     if strategy_for(codes, H, strategy) == "gluon":
         from . import gluon
 
-        gluon.launch_scores(q, w, codes, scales, block_table, row_seq, row_len, ws, cap, ngcap, G, ppp)
+        gluon.launch_scores(q, w, codes, scales, block_table, row_seq, row_len, ws, cap, ngcap, G, COARSE, ppp)
         return ws, G, ngcap, nsm
     kd = None
     tma = _tma_ok(codes)
@@ -584,7 +599,8 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     ppb = triton.next_power_of_2(ppp) if ppp <= 64 else 0
     _score_kernel[(R, triton.cdiv(npages, ppp))](
         q, w, codes, kd, scales.view(torch.int32), block_table, row_seq, row_len, ws[0], ws[1],
-        block_table.stride(0), cap, ngcap, ppp, BS=bs, H=H, G=G, NS=SCORE_STAGES, TMA=tma, PPB=ppb,
+        block_table.stride(0), cap, _gstride(cap, ngcap), ngcap, ppp, BS=bs, H=H, G=G, GC=COARSE, NS=SCORE_STAGES,
+        TMA=tma, PPB=ppb,
         num_warps=SCORE_WARPS)
     return ws, G, ngcap, nsm
 
@@ -600,8 +616,8 @@ def _candidates(ws, row_len, cap: int, ngcap: int, topk: int, G: int, nsm: int) 
     ngb = min(triton.next_power_of_2(max(ngcap, 16)), max(4096, triton.next_power_of_2(2 * topk)))
     # the merged maxima live in registers: past 4096 of them (topk > 2048) twice the warps, or the kernel spills
     # (sm_90, NGB 16384: 640 bytes of stack a thread at 4 warps, none at 8)
-    _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, ngcap, chunk, topk, G=G,
-                                                NGB=ngb, BLK=blk,
+    _cand_kernel[(R, triton.cdiv(cap, chunk))](sc, gm, cs, cp, cnt, row_len, cap, _gstride(cap, ngcap), ngcap, chunk,
+                                                topk, G=G, GC=COARSE, NGB=ngb, BLK=blk,
                                                 num_warps=CAND_WARPS if ngb <= 4096 else 2 * CAND_WARPS)
 
 

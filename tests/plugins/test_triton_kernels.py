@@ -336,6 +336,32 @@ def test_indexer_topk_rows_long(lens, topk, strategy):
 
 
 @gpu
+@pytest.mark.parametrize("strategy", ["gluon", "triton"])
+def test_indexer_score_kernels_write_both_maxima(strategy):
+    """Stage 1's maxima workspace: for each row, the max of every 4 positions, then of every COARSE, of the scores it
+    wrote (positions < L; -inf past L in the last group), bit for bit, as far as the row's length reaches (the
+    candidate kernel reads no further). Rows ending mid-group and mid-page."""
+    if strategy == "gluon" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the Gluon score kernel needs Hopper+ (test_indexer_strategy covers the refusal)")
+    gen = torch.Generator().manual_seed(14)
+    lens, bs = [5003, 70, 4096, 1], 64
+    codes, scales, bt = _index_cache(lens, bs, gen)
+    B = len(lens)
+    q = torch.randn(B, 64, 128, generator=gen).bfloat16().to(DEV)
+    w = (torch.randn(B, 64, generator=gen) * 0.1).to(DEV)
+    L = torch.tensor(lens, dtype=torch.int32)
+    sc, gm = itk.indexer_scores(q, w, codes.to(DEV), scales.to(DEV), bt.to(DEV),
+                                torch.arange(B, dtype=torch.int32, device=DEV), L.to(DEV), 2048, strategy=strategy)
+    sc, gm = sc.cpu(), gm.cpu()
+    want = _maxima(sc, L)
+    nfine = sc.shape[1] // itk._group_size(64)
+    for r, n in enumerate(lens):
+        for lo, g in ((0, itk._group_size(64)), (nfine, itk.COARSE)):
+            m = -(-n // g)
+            assert torch.equal(gm[r, lo:lo + m].view(torch.int32), want[r, lo:lo + m].view(torch.int32)), (r, g)
+
+
+@gpu
 @pytest.mark.parametrize("zero_w", [False, True])
 def test_indexer_topk_contract(zero_w):
     """indexer_topk vs kimi.IndexerTopK's registered reference on the same MXFP8 pools, T = 2 queries per sequence:
@@ -412,6 +438,15 @@ def _order_key(x):
     return torch.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
+def _maxima(sc, L):
+    """The score kernels' maxima workspace of score rows sc [R, cap] with lengths L: per row the max of every G
+    positions, then of every COARSE (-inf past the row's length)."""
+    R, cap = sc.shape
+    x = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf"))
+    G = itk._group_size(64)
+    return torch.cat([x.view(R, cap // G, G).amax(-1), x.view(R, cap // itk.COARSE, itk.COARSE).amax(-1)], 1)
+
+
 @pytest.mark.skipif(itk.triton is None or not (torch.cuda.is_available() or _INTERP),
                     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
 @pytest.mark.parametrize("shape", [(64, 4), (128, 2), (32, 4)])
@@ -433,8 +468,7 @@ def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
     sc[:, 3::11] = -0.0
     G = itk._group_size(64)
     L = torch.tensor(lens, dtype=torch.int32)
-    gm = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf")).view(R, cap // G, G).amax(-1)
-    ws = tuple(t.to(dev) for t in (sc, gm.contiguous(), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
+    ws = tuple(t.to(dev) for t in (sc, _maxima(sc, L), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
                                    torch.zeros(R, dtype=torch.int32)))
     kp = -(-topk // itk.RANK_CHK) * itk.RANK_CHK
     keys = torch.full((R, kp), 7.0, dtype=torch.float64, device=dev)
@@ -453,12 +487,18 @@ def test_indexer_rank_stage(lens, topk, shape, monkeypatch):
 
 
 def _candidate_count(sc, gm, n, topk, ngb=4096):
-    """Stage 2's candidate count of one row as its docstring specifies it: the row's ng group maxima merged into
-    min(ng, ngb) groups of adjacent maxima (sizes differing by at most one, the larger first); T = the top 16 bits of
-    the k-th largest merged maximum's order key (k = min(n, topk); every position when there are fewer groups than
-    k); the positions whose score key is >= T."""
+    """Stage 2's candidate count of one row as its docstring specifies it: the row's ng group maxima (gm: fine, then
+    coarse as `_maxima` lays them out; the coarse ones when there are at least ngb of them) merged into min(ng, ngb)
+    groups of adjacent maxima (sizes differing by at most one, the larger first); T = the top 16 bits of the k-th
+    largest merged maximum's order key (k = min(n, topk); every position when there are fewer groups than k); the
+    positions whose score key is >= T."""
     k = min(n, topk)
-    ng = -(-n // itk._group_size(64))
+    nfine = sc.numel() // itk._group_size(64)
+    ng = -(-n // itk.COARSE)
+    if ng >= ngb:
+        gm = gm[nfine:]
+    else:
+        ng = -(-n // itk._group_size(64))
     q, r = divmod(ng, ngb)
     if min(ng, ngb) < k:
         return n
@@ -474,25 +514,27 @@ def test_indexer_candidates_follow_the_rows_length():
     """Stage 2's threshold comes from group maxima merged by each row's own length, so rows much shorter than the
     cache's capacity keep a candidate set near topk (measured 2026-12-06, H100 e2e at 32K context in a 136K-token
     cache: the threshold from capacity-sized groups passed every position, 32K candidates, and the exact select took
-    134 us a call). Synthetic continuous scores, a 64K-position cache: rows of 30000 (groups of 1-2 maxima), 65536
-    (4), 12000 (1), 1500 (< topk: every position) and 32772 positions, topk 2048. The last is just past a power of
-    two: merged a power-of-two F at a time it had 2049 groups and 33% of its positions passed (measured on the e2e
-    decode's scores at 32769 positions: 10.5K candidates); in 4096 groups of 2-3 maxima, 8%. Expected candidate
-    shares for independent scores: 9%, 4%, 25%, 100%, 8%; asserted below 15%, 8%, 35%, -, 12%, each count equal to
-    the one the kernel's specification gives (`_candidate_count`), and the selections exact."""
+    134 us a call). Synthetic continuous scores, a 72K-position cache: rows of 30000 (groups of 1-2 maxima of 4
+    positions), 65536 (4096 coarse maxima of 16 positions, one a group), 12000 (1), 1500 (< topk: every position),
+    32772 and 70000 positions (4375 coarse maxima in groups of 1-2, where the fine ones would make groups of 16 or 20
+    positions), topk 2048. The 32772-position row is just past a power of two: merged a power-of-two F at a time it
+    had 2049 groups and 33% of its positions passed (measured on the e2e decode's scores at 32769 positions: 10.5K
+    candidates); in 4096 groups of 2-3 maxima, 8%. Expected candidate shares for independent scores: 9%, 4%, 25%,
+    100%, 8%, 4%; asserted below 15%, 8%, 35%, -, 12%, 8%, each count equal to the one the kernel's specification
+    gives (`_candidate_count`), and the selections exact."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(5)
-    lens, topk, cap = [30000, 65536, 12000, 1500, 32772], 2048, 65536
+    lens, topk, cap = [30000, 65536, 12000, 1500, 32772, 70000], 2048, 73728
     R = len(lens)
     sc = torch.randn(R, cap, generator=gen)
     G = itk._group_size(64)
     L = torch.tensor(lens, dtype=torch.int32)
-    gm = torch.where(torch.arange(cap)[None] < L[:, None], sc, float("-inf")).view(R, cap // G, G).amax(-1)
-    ws = tuple(t.to(dev) for t in (sc, gm.contiguous(), torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
+    gm = _maxima(sc, L)
+    ws = tuple(t.to(dev) for t in (sc, gm, torch.empty(R, cap), torch.empty(R, cap, dtype=torch.int32),
                                    torch.zeros(R, dtype=torch.int32)))
     itk._candidates(ws, L.to(dev), cap, cap // G, topk, G, itk.num_sms(ws[0].device))
     nc = ws[4].cpu().tolist()
-    for r, (n, c, share) in enumerate(zip(lens, nc, (0.15, 0.08, 0.35, 1.0, 0.12))):
+    for r, (n, c, share) in enumerate(zip(lens, nc, (0.15, 0.08, 0.35, 1.0, 0.12, 0.08))):
         assert min(n, topk) <= c <= share * n, (n, c)
         kth = sc[r, :n].topk(min(n, topk)).values[-1]
         top = (sc[r, :n] >= kth).nonzero().flatten()
