@@ -80,6 +80,9 @@ HEAD_DIM = 128
 SCORE_WARPS = 4  # the Triton score kernel
 SCORE_STAGES = 3  # its software pipeline depth (tl.range): next page's loads in flight while this one computes
 PROGS_PER_SM = 4  # score programs per SM over all rows
+# registers a thread of the Triton score kernel may use so that PROGS_PER_SM of its programs fit on an SM at once
+# (64K registers an SM: 128); the grid is sized for that many, and one fewer resident leaves a second wave
+SCORE_MAXNREG = 65536 // (PROGS_PER_SM * SCORE_WARPS * 32)
 GROUP = 4  # positions per group maximum (stage 1 writes them, stage 2 merges them by the row's length)
 COARSE = 16  # positions per coarse maximum, the second level stage 1 writes (stage 2 reads it for long rows)
 CAND_WARPS, CAND_PROGS_PER_SM, FINAL_WARPS = 4, 2, 8  # the two select kernels
@@ -600,8 +603,7 @@ def _scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int, strat
     _score_kernel[(R, triton.cdiv(npages, ppp))](
         q, w, codes, kd, scales.view(torch.int32), block_table, row_seq, row_len, ws[0], ws[1],
         block_table.stride(0), cap, _gstride(cap, ngcap), ngcap, ppp, BS=bs, H=H, G=G, GC=COARSE, NS=SCORE_STAGES,
-        TMA=tma, PPB=ppb,
-        num_warps=SCORE_WARPS)
+        TMA=tma, PPB=ppb, num_warps=SCORE_WARPS, maxnreg=SCORE_MAXNREG)
     return ws, G, ngcap, nsm
 
 
