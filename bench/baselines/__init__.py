@@ -5,8 +5,8 @@
     flashkda  FlashKDA's sm90 chunked KDA forward                                   bench/baselines/flashkda.py
     fla       fla-core 0.6.0's chunk_kda (pure-Python wheel in .whl, git-excluded; needs einops, torch, triton)
 
-Each of the first three is a torch-free shared library in .ext/lib (git-excluded; .ext/build/build.sh builds it
-from sources kept outside the repo), sm_90a code with cudart linked statically (needs glibc >= 2.34; else the copy in
+Each of the first three is a torch-free shared library in .ext/lib (git-excluded; .ext/build/build_<name>.sh builds
+it from sources kept outside the repo), sm_90a code with cudart linked statically (needs glibc >= 2.34; else the copy in
 .ext/lib/cudart-shared, which uses the libcudart.so.13 torch loaded), called with ctypes over raw device pointers on
 torch's current stream. `unavailable(name)` says why a baseline cannot run (None when it can);
 the entry points raise RuntimeError with that reason. Converters from our cache formats (plugins/sparse_mla,
@@ -23,7 +23,7 @@ from pathlib import Path
 
 LIB_DIR = Path(os.environ.get("KIMI_BASELINE_LIB_DIR", Path(__file__).resolve().parents[2] / ".ext" / "lib"))
 P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-# exported C functions: name -> (restype, argtypes); the shims in .ext/build/*_shim.cu
+# exported C functions: name -> (restype, argtypes); the shims in .ext/build/<name>_shim.cu
 SIGNATURES = {
     "flashmla": {
         "flashmla_last_error": (ctypes.c_char_p, []),
@@ -56,7 +56,7 @@ def _load(name: str) -> tuple[ctypes.CDLL | None, str | None]:
         return None, None
     path = LIB_DIR / f"lib{name}_sm90.so"
     if not path.exists():
-        return None, f"{path} is missing: run .ext/build/build.sh {name} (or carry .ext/lib)"
+        return None, f"{path} is missing: run .ext/build/build_{name}.sh (or carry .ext/lib)"
     try:
         import torch
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

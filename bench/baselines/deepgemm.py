@@ -71,12 +71,15 @@ def deepgemm_paged_mqa_logits(q: torch.Tensor, kv: torch.Tensor, weights: torch.
     if q.shape[1:] != (1, HEADS, HEAD_DIM) or q.dtype != torch.float8_e4m3fn or kv.shape[1:] != (BLOCK_KV, 1, 132):
         raise ValueError(f"deepgemm: expects q [B, 1, 64, 128] e4m3 and kv [NB, 64, 1, 132] uint8, got q "
                          f"{tuple(q.shape)} {q.dtype}, kv {tuple(kv.shape)}")
-    if kv.stride(1) != 132 or weights.shape != (b, HEADS) or block_table.dtype != torch.int32:
-        raise ValueError("deepgemm: kv rows contiguous within a block, weights [B, 64] fp32, block_table int32")
+    if kv.stride(1) != 132 or kv.stride(3) != 1 or weights.shape != (b, HEADS) or block_table.dtype != torch.int32 \
+            or block_table.stride(1) != 1:
+        raise ValueError("deepgemm: kv rows contiguous within a block, weights [B, 64], block_table int32 with "
+                         "contiguous rows")
     stride = lib("deepgemm").deepgemm_logits_stride(max_context_len)
     out = torch.empty(b, stride, dtype=torch.float32, device=q.device) if out is None else out
     lens = context_lens.to(torch.int32).reshape(-1).contiguous()
+    w32 = weights.float().contiguous()  # held until the launch is queued
     call("deepgemm", "deepgemm_fp8_paged_mqa_logits", ptr(q), ptr(kv), kv.shape[0], kv.stride(0) * kv.element_size(),
-         ptr(weights.float().contiguous()), ptr(lens), ptr(out), stride, ptr(block_table), block_table.stride(0),
+         ptr(w32), ptr(lens), ptr(out), stride, ptr(block_table), block_table.stride(0),
          ptr(schedule_meta), b, schedule_meta.shape[0] - 1, stream())
     return out[:, :max_context_len]

@@ -34,8 +34,12 @@ def flashkda_prefill(q, k, v, g, beta, scale: float, A_log, dt_bias, lower_bound
     beta_t = beta.reshape(b * t, h).t().contiguous()
     fp32 = int(bool(states) and states[0].dtype == torch.float32)
     q, k, v, g = (x.contiguous() for x in (q, k, v, g))
+    a_log, dt_bias = A_log.float().contiguous(), dt_bias.float().contiguous()  # held until the launch is queued
+    if a_log.shape != (h,) or dt_bias.shape != (h, d) or out.shape != v.shape or not out.is_contiguous():
+        raise ValueError(f"flashkda: A_log [H], dt_bias [H, 128], out like v contiguous; got {tuple(a_log.shape)}, "
+                         f"{tuple(dt_bias.shape)}, {tuple(out.shape)}")
     call("flashkda", "flashkda_fwd", ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta_t), scale, ptr(out), ptr(workspace),
-         ptr(A_log.float().contiguous()), ptr(dt_bias.float().contiguous()), lower_bound, ptr(initial_state),
+         ptr(a_log), ptr(dt_bias), lower_bound, ptr(initial_state),
          ptr(final_state), fp32, ptr(cu_seqlens), n, b, t, h, stream())
     return out
 

@@ -51,6 +51,8 @@ class FlashMLAPlan:
         handle = lib("flashmla")
         self.shape = (b, s_q, h_q, topk)
         self.parts = handle.flashmla_num_sm_parts(h_q, s_q)
+        if self.parts <= 0:
+            raise RuntimeError(f"flashmla_num_sm_parts: {handle.flashmla_last_error().decode()}")
         i32, f32 = dict(dtype=torch.int32, device=device), dict(dtype=torch.float32, device=device)
         self.sched_meta = torch.empty(self.parts, handle.flashmla_sched_meta_ints(), **i32)
         self.num_splits = torch.empty(b + 1, **i32)
