@@ -8,6 +8,38 @@ from kimi_compile.config import preset
 from kimi_compile.model.weights import build_model, init_random
 
 
+def _interpreter_bf16_dot() -> None:
+    """Under TRITON_INTERPRET=1 Triton's interpreter stores bfloat16 as uint16 and its `tl.dot` multiplies those bit
+    patterns (values near 1e10; triton-lang/triton#11584, left unfixed upstream; seen in triton 3.6 and 3.9): give it
+    bfloat16 operands widened to fp32 (exact), so the kernels' bf16 GEMMs (sparse MLA) run correctly on CPU tensors.
+    The GPU path is untouched."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return
+    orig = ti.InterpreterBuilder.create_dot
+    if getattr(orig, "widens_bf16", False):
+        return
+
+    def widen(h):
+        if h.dtype != tl.bfloat16:
+            return h
+        return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return orig(self, widen(a), widen(b), d, *args)
+
+    create_dot.widens_bf16 = True
+    ti.InterpreterBuilder.create_dot = create_dot
+
+
+_interpreter_bf16_dot()
+
+
 def rel(a, b) -> float:
     a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
     return float((a - b).norm() / b.norm())

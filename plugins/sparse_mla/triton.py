@@ -61,9 +61,8 @@ _SMALL = dict(tn=32, bh=64, warps1=4, ns1=-1, maxnreg1=None, bk=32, bh2=64, warp
 _MEDIUM = dict(tn=64, bh=64, warps1=4, ns1=-1, maxnreg1=None, bk=64, bh2=64, warps2=4, num_stages=0)  # 3-4 rows
 _LARGE = dict(tn=64, bh=128, warps1=8, ns1=0, maxnreg1=128, bk=128, bh2=64, warps2=4, num_stages=3)  # 5+ rows
 # key splits: pass 2 is split over the keys until it has about SPLIT_PROGS_PER_SM programs per SM; the splits'
-# partial sums are written in PARTIAL_DTYPE (already divided by the softmax sum) and added by `_sum_kernel` in fp32
+# partial sums (fp32, already divided by the softmax sum) are added by `_sum_kernel`
 SPLIT_PROGS_PER_SM = 2
-PARTIAL_DTYPE = torch.float32
 
 if triton is not None:
 
@@ -216,8 +215,7 @@ if triton is not None:
         if NSPLIT == 1:
             tl.store(O + (r.to(tl.int64) * H + hh[:, None]) * 512 + c0 + d[None, :], acc.to(tl.bfloat16))
         else:
-            tl.store(OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + c0 + d[None, :],
-                     acc.to(OPART.dtype.element_ty))
+            tl.store(OPART + ((r.to(tl.int64) * NSPLIT + sp) * H + hh[:, None]) * 512 + c0 + d[None, :], acc)
 
     @triton.jit
     def _sum_kernel(OPART, O, H: tl.constexpr, NSPLIT: tl.constexpr, NSP2: tl.constexpr):
@@ -228,7 +226,7 @@ if triton is not None:
         d = tl.arange(0, 512)
         o = tl.load(OPART + ((r.to(tl.int64) * NSPLIT + s[:, None]) * H + h) * 512 + d[None, :],
                     mask=(s < NSPLIT)[:, None], other=0.0)
-        tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o.to(tl.float32), 0).to(tl.bfloat16))
+        tl.store(O + (r.to(tl.int64) * H + h) * 512 + d, tl.sum(o, 0).to(tl.bfloat16))
 
 
 _WS: dict = {}
@@ -314,12 +312,12 @@ def _launch(q, kv_codes, kv_scales, kv_rope, block_table, row_seq, indices, sm_s
     nsplit = max(1, min(nt, (SPLIT_PROGS_PER_SM * num_sms(dev)) // base))
     per_split = triton.cdiv(nt, nsplit) * tn  # whole pass-1 tiles per split
     nsplit = triton.cdiv(tpad, per_split)
-    key = (str(dev), R, H, nt, tn, nsplit, PARTIAL_DTYPE)
+    key = (str(dev), R, H, nt, tn, nsplit)
     if key not in _WS:
         _WS[key] = (torch.empty(R, H, tpad, dtype=torch.bfloat16, device=dev),
                     torch.empty(R, nt, H, dtype=torch.float32, device=dev),
                     torch.empty(R, nt, H, dtype=torch.float32, device=dev),
-                    torch.empty(R, nsplit, H, 512, dtype=PARTIAL_DTYPE, device=dev) if nsplit > 1 else None,
+                    torch.empty(R, nsplit, H, 512, dtype=torch.float32, device=dev) if nsplit > 1 else None,
                     torch.empty(R, tpad, dtype=torch.int32, device=dev))
     pbuf, mt, lt, opart, rows = _WS[key]
     reg1 = {} if c["maxnreg1"] is None else {"maxnreg": c["maxnreg1"]}  # register cap: more programs per SM

@@ -650,6 +650,32 @@ def test_sparse_mla_decode(B):
         assert rel(out, ref) < 1e-2
 
 
+@pytest.mark.skipif(mtk.triton is None or not (torch.cuda.is_available() or _INTERP),
+                    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
+@pytest.mark.parametrize("B", [1, 3, 6])  # the three launch configurations, each splitting the keys here
+def test_sparse_mla_small_shapes(B):
+    """The sparse MLA kernels at small shapes (64 heads, top-256), which also run in Triton's interpreter on CPU
+    tensors (tests/conftest.py widens its bfloat16 dot operands): key splits (8, 4 and 4 for 1, 3 and 6 rows), rows
+    shorter than topk, -1 indices anywhere, a sequence with no valid index (zeros), the output poisoned."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(16)
+    lens, topk, H = [300, 40, 700, 256, 90, 500][:B], 256, 64
+    codes, scales, rope, bt = _mla_pools(lens, 64, gen)
+    idx = _mla_indices(lens, 1, topk, gen)
+    if B > 1:
+        idx[1] = -1  # no valid index: zeros
+    q = (torch.randn(B, 1, H, 576, generator=gen) * 0.5).bfloat16()
+    ref = _mla_ref(q, codes, scales, rope, bt, idx, 576 ** -0.5)
+    out = torch.full((B, 1, H, 512), float("nan"), dtype=torch.bfloat16, device=dev)
+    mtk.sparse_mla(q.to(dev), codes.to(dev), scales.to(dev), rope.to(dev), bt.to(dev), idx.to(dev), 576 ** -0.5,
+                   out=out)
+    out = out.cpu()
+    assert not out.isnan().any()
+    assert rel(out, ref) < 1e-2
+    if B > 1:
+        assert not out[1].any()
+
+
 @gpu
 def test_sparse_mla_prefill_and_float8_codes():
     """T = 40 queries of one sequence, each its own selected set (int32 indices, int64 block table, float8-typed
