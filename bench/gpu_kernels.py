@@ -2,10 +2,10 @@
 
     KIMI_COMMIT=$(git rev-parse HEAD) python bench/gpu_kernels.py --out $OUT/gpu_kernels.json
         [--sections floors,indexer,mla,kda_decode,kda_prefill,quant,attn_res] [--no-compile] [--reps 30] [--quick]
-        [--skip-prefill]
+        [--skip-prefill] [--flush write|read]
 
 Method: CUDA events around each call, median (and p10/p90) over --reps runs; before every timed run a 256 MiB buffer is
-zeroed so L2 (60 MB) holds none of the inputs ("L2 flushed"). "graph" rows replay a captured CUDA graph (how a decode
+zeroed so L2 (60 MB) holds none of the inputs ("L2 flushed"; --flush read reads it instead, leaving L2 clean). "graph" rows replay a captured CUDA graph (how a decode
 step runs in the runtime, without Python launch overhead); "direct" rows launch from Python. Compare rows of the same
 launch mode only. The floors come first: device copy bandwidth (bytes read + written over time, 2 GiB copy) and the
 bf16 matmul rate (8192^3, random data); floor_us = max(bytes / copy_bw, flops / matmul_rate), ratio = median / floor.
@@ -47,6 +47,7 @@ RESULTS: dict = {}
 ROWS: list = []
 FLOOR = {"copy_GBps": None, "bf16_TFLOPs": None}
 _FLUSH = None
+FLUSH_MODE = "write"  # what flush=True means (--flush)
 
 
 def log(*a):
@@ -54,10 +55,18 @@ def log(*a):
 
 
 def bench(fn, reps=30, graph=True, flush=True):
-    """Median/p10/p90 microseconds of fn (CUDA events); graph=True times replays of a captured CUDA graph."""
+    """Median/p10/p90 microseconds of fn (CUDA events); graph=True times replays of a captured CUDA graph.
+    flush: "write" (True, unless --flush read) zeroes a 256 MiB buffer before every run, as triton.testing.do_bench and DeepGEMM's
+    benchmarks do; L2 is then full of dirty lines, which the timed run writes back as it evicts them. "read" reads the
+    buffer instead (L2 left holding clean lines): the floors section measures what the difference costs a small read."""
     global _FLUSH
     if _FLUSH is None:
         _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    if flush not in (False, True, "write", "read"):
+        raise ValueError(f"bench: flush must be True, False, 'write' or 'read', got {flush!r}")
+    if flush is True:
+        flush = FLUSH_MODE
+    sink = torch.empty((), dtype=torch.int64, device=DEV) if flush == "read" else None
     if graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -77,7 +86,9 @@ def bench(fn, reps=30, graph=True, flush=True):
     torch.cuda.synchronize()
     ev = []
     for _ in range(reps):
-        if flush:
+        if flush == "read":
+            torch.sum(_FLUSH.view(torch.int64), 0, out=sink)
+        elif flush:
             _FLUSH.zero_()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
@@ -136,6 +147,15 @@ def floors():
     t = bench(lambda: tiny.add_(1), reps=30, graph=True, flush=True)
     FLOOR["launch_us"] = t["median_us"]
     log(f"floors: one tiny kernel, graph replay after the L2 flush: {t['median_us']:.1f} us (launch + timing overhead)")
+    # what the write flush costs a small kernel: a 16 MiB read (about the index-K bytes of B=1, L=128K) timed after
+    # each flush; the write flush leaves L2 dirty, and the read's misses write those lines back first
+    x = torch.empty(16 << 20, dtype=torch.uint8, device=DEV).random_()
+    o = torch.empty((), dtype=torch.int64, device=DEV)
+    for mode in ("write", "read"):
+        t = bench(lambda: torch.sum(x.view(torch.int64), 0, out=o), reps=30, graph=True, flush=mode)
+        FLOOR[f"read16MiB_{mode}_flush_us"] = t["median_us"]
+    log(f"floors: a 16 MiB read after the write flush {FLOOR['read16MiB_write_flush_us']:.1f} us, after a read flush "
+        f"{FLOOR['read16MiB_read_flush_us']:.1f} us")
 
 
 # ------------------------------------------------------------------ indexer
@@ -711,9 +731,15 @@ def main():
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--quick", action="store_true", help="ours only: no eager / torch.compile baselines")
     ap.add_argument("--skip-prefill", action="store_true", help="skip the indexer / sparse MLA prefill rows")
+    ap.add_argument("--flush", choices=("write", "read"), default="write",
+                    help="how the L2 is flushed before each timed run: zero a 256 MiB buffer (write: the usual way, "
+                         "L2 left dirty) or read it (L2 left clean)")
     args = ap.parse_args()
+    global FLUSH_MODE
+    FLUSH_MODE = args.flush
     RESULTS.update(run_info("torch", "triton", "fla-core", "flash-linear-attention"))
-    RESULTS["timing"] = "CUDA events, median over reps; 256 MiB L2 flush before each rep; graph = CUDA graph replay"
+    RESULTS["timing"] = (f"CUDA events, median over reps; 256 MiB L2 flush ({args.flush}: "
+                         f"{'zeroed' if args.flush == 'write' else 'read'}) before each rep; graph = CUDA graph replay")
     secs = args.sections.split(",")
     if "floors" not in secs:
         secs = ["floors"] + secs
