@@ -239,11 +239,12 @@ def _interpreting() -> bool:
 
 
 def _config(rows: int, heads: int) -> dict:
-    """The launch configuration for `rows` rows (bh falls back to 64 heads where the head count is not a multiple of
-    the configured block)."""
+    """The launch configuration for `rows` rows (bh and bh2 fall back to 64 heads where the head count is not a
+    multiple of the configured block)."""
     c = dict(_SMALL if rows <= 2 else _MEDIUM if rows <= 4 else _LARGE)
-    if heads % c["bh"]:
-        c["bh"] = 64
+    for k in ("bh", "bh2"):
+        if heads % c[k]:
+            c[k] = 64
     return c
 
 

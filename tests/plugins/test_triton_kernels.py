@@ -650,6 +650,15 @@ def test_sparse_mla_decode(B):
         assert rel(out, ref) < 1e-2
 
 
+def test_sparse_mla_config_head_blocks(monkeypatch):
+    """Both passes' head blocks fall back to 64 heads where the head count is not a multiple of the configured block
+    (a pass-2 block of 128 at 64 heads would launch no pass-2 program)."""
+    monkeypatch.setattr(mtk, "_LARGE", dict(mtk._LARGE, bh=128, bh2=128))
+    assert (mtk._config(8, 64)["bh"], mtk._config(8, 64)["bh2"]) == (64, 64)
+    assert (mtk._config(8, 192)["bh"], mtk._config(8, 192)["bh2"]) == (64, 64)
+    assert (mtk._config(8, 256)["bh"], mtk._config(8, 256)["bh2"]) == (128, 128)
+
+
 @pytest.mark.skipif(mtk.triton is None or not (torch.cuda.is_available() or _INTERP),
                     reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1: CPU tensors)")
 @pytest.mark.parametrize("B", [1, 3, 6])  # the three launch configurations, each splitting the keys here
