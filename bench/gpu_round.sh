@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One GPU round of issue 20, in phases that fit the lent machine's 10-minute calls (the .gpu/r*.sh helpers the
+# result files of rounds 16-17 name were these phases, kept outside the tree). Run from the repository root:
+#
+#   KIMI_COMMIT=<full sha, expanded where the history is> OUT=<dir> bash bench/gpu_round.sh PHASE [PHASE ...]
+#
+# Phases (each writes under $OUT; every phase after `setup` expects it to have run on the same machine):
+#   setup      install the carried wheels (.whl/*.whl, e.g. fla-core) and this tree (-e, no index), no GPU work
+#   build      build the small CUDA artifact (bench/e2e_gpu.py --sections build; about 200 s, Triton cache cold)
+#   tests      the kernel GPU tests (nine files, pytest -n $KIMI_GPU_WORKERS, default 12) -> $OUT/tests.txt;
+#              with artifacts/kimi-k3.1-small-cuda present its small-preset test runs too
+#   kernels    bench/gpu_kernels.py --sections floors,kda_prefill,indexer,mla --quick --no-compile --skip-prefill
+#              --reps 20 -> $OUT/gpu_kernels.json (baselines from .ext/lib where carried: bench/baselines)
+#   e2e        decode at 32K (B = 1, 2, 8, 32) and the TTFT of a 32K prompt on the built artifact
+#              -> $OUT/e2e_decode.json, $OUT/e2e_ttft.json
+# Issue 20's "done when" is `tests kernels` in one call on the H200 (tests first: the second run of the tests on a
+# warm Triton cache takes about 290 s on an H100 with 12 workers, the kernel rows about 80 s), after `setup build`
+# (and a first `tests` that warms the cache) in an earlier call. Each phase prints its elapsed time.
+set -uo pipefail
+: "${KIMI_COMMIT:?set KIMI_COMMIT to the full sha of the tree measured (bench/results/README.md says why)}"
+: "${OUT:?set OUT to the folder the results go to}"
+export KIMI_COMMIT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+ART=$PWD/artifacts/kimi-k3.1-small-cuda
+GPU_TESTS=(tests/plugins/test_kda_prefill_fused.py tests/plugins/test_triton_kernels.py
+           tests/plugins/test_kda_decode_fused.py tests/plugins/test_moe_triton.py tests/plugins/test_attn_res_triton.py
+           tests/plugins/test_triton_matmul_nz.py tests/plugins/test_kda_cp_gpu.py tests/backends/test_cuda_gpu.py
+           tests/backends/test_kernel_cache.py)
+mkdir -p "$OUT"
+t0=$SECONDS
+say() { echo "[gpu_round] $* ($((SECONDS - t0)) s)"; }
+
+phase_setup() {
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader \
+    | tee "$OUT/device.txt"
+  local w
+  for w in .whl/*.whl; do
+    [ -e "$w" ] && "$PY" -m pip install -q --no-deps --no-index "$w"
+  done
+  "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || return 1
+  # the editable install maps plugins/ and passes/ under kimi_compile (setup.py); where the machine's setuptools
+  # cannot, PYTHONPATH and two links give the same import names
+  if ! "$PY" -c "import kimi_compile.plugins.indexer_topk.triton" 2>/dev/null; then
+    ln -sfn ../plugins kimi_compile/plugins && ln -sfn ../passes kimi_compile/passes && say "setup: linked plugins/ and passes/"
+  fi
+}
+
+phase_build() {
+  "$PY" bench/e2e_gpu.py --sections build --out "$OUT/e2e_build.json"
+}
+
+phase_tests() {
+  local env=() sel=(-k "not small_preset")
+  if [ -d "$ART" ]; then env=(KIMI_SMALL_ARTIFACT="$ART"); sel=(); fi
+  env "${env[@]}" "$PY" -m pytest -q -n "${KIMI_GPU_WORKERS:-12}" -rfEs -p no:cacheprovider --durations=8 \
+    "${GPU_TESTS[@]}" "${sel[@]}" 2>&1 | tee "$OUT/tests.txt" | tail -15
+  return "${PIPESTATUS[0]}"
+}
+
+phase_kernels() {
+  "$PY" bench/gpu_kernels.py --sections floors,kda_prefill,indexer,mla --quick --no-compile --skip-prefill --reps 20 \
+    --out "$OUT/gpu_kernels.json"
+}
+
+phase_e2e() {
+  [ -d "$ART" ] || { echo "gpu_round: e2e needs the artifact $ART (run the build phase first)" >&2; return 1; }
+  "$PY" bench/e2e_gpu.py --sections decode --decode 1x32768,2x32768,8x32768,32x32768 --eager-decode "" \
+    --ref-decode "" --steps 32 --out "$OUT/e2e_decode.json" || return 1
+  "$PY" bench/e2e_gpu.py --sections ttft --ttft 32768 --ref-ttft "" --out "$OUT/e2e_ttft.json"
+}
+
+[ $# -gt 0 ] || { sed -n 2,19p "$0"; exit 2; }
+rc=0
+for p in "$@"; do
+  case "$p" in
+    setup|build|tests|kernels|e2e) ;;
+    *) echo "gpu_round: unknown phase '$p' (known: setup build tests kernels e2e)" >&2; exit 2 ;;
+  esac
+done
+for p in "$@"; do
+  "phase_$p"; r=$?
+  say "$p: exit $r"
+  [ $r -eq 0 ] || rc=$r
+done
+exit $rc
