@@ -155,29 +155,10 @@ def _chunk_recurrence_ref(qg, kg, w, u, g, A, S, scale, BT=64):
     return rnd(o), S
 
 
-@pytest.fixture
-def interpreter_bf16_dot(monkeypatch):
-    """Triton's interpreter (3.6 to 3.9) multiplies bf16 dot operands as their raw uint16 storage; under
-    TRITON_INTERPRET=1 this widens them to float32 first (exact), as the GPU's bf16 dot does. Nothing on a GPU."""
-    if not INTERPRET:
-        return
-    import numpy as np
-    from triton.runtime import interpreter as ti
-
-    real = ti.InterpreterBuilder.create_dot
-
-    def widen(x):
-        if x.dtype != ktk.tl.bfloat16:
-            return x
-        return ti.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), ktk.tl.float32)
-
-    monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", lambda self, a, b, *r: real(self, widen(a), widen(b), *r))
-
-
 @kernels
 @pytest.mark.parametrize("T", [150, 64])
 @pytest.mark.parametrize("shape", [*ktk.STATE_SHAPES, None], ids=lambda s: f"bv{s[0]}" if s else "d16")
-def test_chunk_state_out_matches_the_recurrence(T, shape, interpreter_bf16_dot, monkeypatch):
+def test_chunk_state_out_matches_the_recurrence(T, shape, monkeypatch):
     """The fused state/output recurrence of the chunked prefill (ours in place of fla's per-chunk states + output
     kernels) against the same recurrence in torch, bf16 inputs as fla's intra kernels give them: T = 150 is three
     chunks (the last partial), 64 one; V = 128 in slices of each program shape the launch may pick, and head dims of
