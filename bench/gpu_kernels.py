@@ -5,10 +5,11 @@
         [--skip-prefill] [--flush write|read]
 
 Method: CUDA events around each call, median (and p10/p90) over --reps runs; before every timed run a 256 MiB buffer is
-zeroed so L2 (60 MB) holds none of the inputs ("L2 flushed"; --flush read reads it instead, leaving L2 clean). "graph" rows replay a captured CUDA graph (how a decode
-step runs in the runtime, without Python launch overhead); "direct" rows launch from Python. Compare rows of the same
-launch mode only. The floors come first: device copy bandwidth (bytes read + written over time, 2 GiB copy) and the
-bf16 matmul rate (8192^3, random data); floor_us = max(bytes / copy_bw, flops / matmul_rate), ratio = median / floor.
+zeroed so L2 (60 MB) holds none of the inputs ("L2 flushed"; --flush read reads it instead, leaving L2 clean).
+"graph" rows replay a captured CUDA graph (how a decode step runs in the runtime, without Python launch overhead);
+"direct" rows launch from Python. Compare rows of the same launch mode only. The floors come first: device copy
+bandwidth (bytes read + written over time, 2 GiB copy) and the bf16 matmul rate (8192^3, random data);
+floor_us = max(bytes / copy_bw, flops / matmul_rate), ratio = median / floor.
 Each of our kernels is checked at the timed shape against an fp32 torch computation (indices as sets up to ties)
 before it is timed. Kernels are named by strategy (plugins/indexer_topk/triton.py: "gluon", its fallback "triton").
 The JSON records the commit measured, the device and the versions (bench/run_info.py).
@@ -56,9 +57,10 @@ def log(*a):
 
 def bench(fn, reps=30, graph=True, flush=True):
     """Median/p10/p90 microseconds of fn (CUDA events); graph=True times replays of a captured CUDA graph.
-    flush: "write" (True, unless --flush read) zeroes a 256 MiB buffer before every run, as triton.testing.do_bench and DeepGEMM's
-    benchmarks do; L2 is then full of dirty lines, which the timed run writes back as it evicts them. "read" reads the
-    buffer instead (L2 left holding clean lines): the floors section measures what the difference costs a small read."""
+    flush: "write" (True, unless --flush read) zeroes a 256 MiB buffer before every run, as triton.testing.do_bench
+    and DeepGEMM's benchmarks do; L2 is then full of dirty lines, which the timed run writes back as it evicts them.
+    "read" reads the buffer instead (L2 left holding clean lines): the floors section measures what the difference
+    costs a small read."""
     global _FLUSH
     if _FLUSH is None:
         _FLUSH = torch.empty(256 << 20, dtype=torch.uint8, device=DEV)

@@ -41,7 +41,8 @@ phase_setup() {
   # the editable install maps plugins/ and passes/ under kimi_compile (setup.py); where the machine's setuptools
   # cannot, PYTHONPATH and two links give the same import names
   if ! "$PY" -c "import kimi_compile.plugins.indexer_topk.triton" 2>/dev/null; then
-    ln -sfn ../plugins kimi_compile/plugins && ln -sfn ../passes kimi_compile/passes && say "setup: linked plugins/ and passes/"
+    ln -sfn ../plugins kimi_compile/plugins && ln -sfn ../passes kimi_compile/passes \
+      && say "setup: linked plugins/ and passes/"
   fi
 }
 
@@ -50,9 +51,9 @@ phase_build() {
 }
 
 phase_tests() {
-  local env=() sel=(-k "not small_preset")
-  if [ -d "$ART" ]; then env=(KIMI_SMALL_ARTIFACT="$ART"); sel=(); fi
-  env "${env[@]}" "$PY" -m pytest -q -n "${KIMI_GPU_WORKERS:-12}" -rfEs -p no:cacheprovider --durations=8 \
+  local sel=(-k "not small_preset")
+  if [ -d "$ART" ]; then export KIMI_SMALL_ARTIFACT="$ART"; sel=(); fi
+  "$PY" -m pytest -q -n "${KIMI_GPU_WORKERS:-12}" -rfEs -p no:cacheprovider --durations=8 \
     "${GPU_TESTS[@]}" "${sel[@]}" 2>&1 | tee "$OUT/tests.txt" | tail -15
   return "${PIPESTATUS[0]}"
 }
