@@ -7,6 +7,8 @@
 # Phases (each writes under $OUT; every phase after `setup` expects it to have run on the same machine):
 #   setup      install the carried wheels (.whl/*.whl, e.g. fla-core) and this tree (-e, no index), no GPU work
 #   build      build the small CUDA artifact (bench/e2e_gpu.py --sections build; about 200 s, Triton cache cold)
+#   prebuild   the tiny builds the tests share (the suite's warm compile cache as an archive, the tiny artifacts
+#              tests/backends/test_cuda_gpu.py takes) -> artifacts/gpu-tests; `tests` runs it first where missing
 #   tests      the kernel GPU tests (nine files, pytest -n $KIMI_GPU_WORKERS, default 12) -> $OUT/tests.txt;
 #              with artifacts/kimi-k3.1-small-cuda present its small-preset test runs too
 #   kernels    bench/gpu_kernels.py --sections floors,kda_prefill,indexer,mla --quick --no-compile --skip-prefill
@@ -14,14 +16,17 @@
 #   e2e        decode at 32K (B = 1, 2, 8, 32) and the TTFT of a 32K prompt on the built artifact
 #              -> $OUT/e2e_decode.json, $OUT/e2e_ttft.json
 # Issue 20's "done when" is `tests kernels` in one call on the H200 (tests first: the second run of the tests on a
-# warm Triton cache takes about 290 s on an H100 with 12 workers, the kernel rows about 80 s), after `setup build`
-# (and a first `tests` that warms the cache) in an earlier call. Each phase prints its elapsed time.
+# warm Triton cache took about 290 s on an H100 with 12 workers before `prebuild` existed, 137 s of it one worker's
+# share of the tiny builds; the kernel rows about 80 s), after `setup build` (and a first `tests` that warms the
+# cache) in an earlier call. `prebuild` needs no GPU (about 4 min on 2 cores); its cache archive is keyed by
+# torch's version, so it is built on the machine that runs the tests. Each phase prints its elapsed time.
 set -uo pipefail
 : "${KIMI_COMMIT:?set KIMI_COMMIT to the full sha of the tree measured (bench/results/README.md says why)}"
 : "${OUT:?set OUT to the folder the results go to}"
 export KIMI_COMMIT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
 ART=$PWD/artifacts/kimi-k3.1-small-cuda
+PRE=$PWD/artifacts/gpu-tests
 GPU_TESTS=(tests/plugins/test_kda_prefill_fused.py tests/plugins/test_triton_kernels.py
            tests/plugins/test_kda_decode_fused.py tests/plugins/test_moe_triton.py tests/plugins/test_attn_res_triton.py
            tests/plugins/test_triton_matmul_nz.py tests/plugins/test_kda_cp_gpu.py tests/backends/test_cuda_gpu.py
@@ -50,9 +55,43 @@ phase_build() {
   "$PY" bench/e2e_gpu.py --sections build --out "$OUT/e2e_build.json"
 }
 
+phase_prebuild() {
+  # The tiny builds each of the tests' xdist workers would otherwise repeat at once (the suite's warm compile cache:
+  # 137 s of one worker's setup in a warm H100 run of 289 s, with others building the same), built once here on all
+  # cores, as .ci/run does: the cache exported for KIMI_TEST_CACHE_ARCHIVE (keyed by this machine's torch, so built
+  # where the tests run) and, from it, the artifacts tests/backends/test_cuda_gpu.py takes from
+  # KIMI_GPU_TEST_ARTIFACTS. Needs no GPU.
+  local cache="$PRE/cache" pids=() r
+  rm -rf "$PRE" && mkdir -p "$PRE/artifacts" || return 1
+  kc() { KIMI_COMPILE_CACHE="$cache" KIMI_COMPILE_CACHE_MAX_BYTES=4G "$PY" -m kimi_compile build --quiet "$@"; }
+  for r in kimi-k3.1-tiny kimi-k3-tiny; do  # the two traces first, then what reuses them
+    kc "recipes/$r.yaml" --out "$PRE/artifacts/$r.ort" > /dev/null & pids+=($!)
+  done
+  for r in "${pids[@]}"; do wait "$r" || return 1; done
+  pids=()
+  # tests/conftest.py's WARM_RECIPES, read without importing it (pytest need not be installed for this phase)
+  local warm
+  warm=$("$PY" -c "import ast; t = ast.parse(open('tests/conftest.py').read()); print(' '.join(r for n in t.body
+    if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == 'WARM_RECIPES' for r in ast.literal_eval(n.value)))") || return 1
+  [ -n "$warm" ] || { echo "gpu_round: no WARM_RECIPES in tests/conftest.py" >&2; return 1; }
+  for r in $warm; do
+    case "$r" in kimi-k3.1-tiny|kimi-k3-tiny) ;; *) kc "recipes/$r.yaml" --out "$PRE/warm/$r" > /dev/null & pids+=($!) ;; esac
+  done
+  for r in kimi-k3.1-tiny kimi-k3-tiny; do
+    kc "recipes/$r.yaml" --backend cuda --target cuda --out "$PRE/artifacts/$r.cuda" > /dev/null & pids+=($!)
+  done
+  kc recipes/kimi-k3.1-tiny-cuda.yaml --out "$PRE/artifacts/kimi-k3.1-tiny-cuda" > /dev/null & pids+=($!)
+  for r in "${pids[@]}"; do wait "$r" || return 1; done
+  KIMI_COMPILE_CACHE="$cache" "$PY" -m kimi_compile cache export "$PRE/cache.tar.gz" > /dev/null
+}
+
 phase_tests() {
   local sel=(-k "not small_preset")
   if [ -d "$ART" ]; then export KIMI_SMALL_ARTIFACT="$ART"; sel=(); fi
+  [ -f "$PRE/cache.tar.gz" ] || { phase_prebuild; say "prebuild: exit $?"; }
+  if [ -f "$PRE/cache.tar.gz" ]; then
+    export KIMI_TEST_CACHE_ARCHIVE="$PRE/cache.tar.gz" KIMI_GPU_TEST_ARTIFACTS="$PRE/artifacts"
+  fi
   "$PY" -m pytest -q -n "${KIMI_GPU_WORKERS:-12}" -rfEs -p no:cacheprovider --durations=8 \
     "${GPU_TESTS[@]}" "${sel[@]}" 2>&1 | tee "$OUT/tests.txt" | tail -15
   return "${PIPESTATUS[0]}"
@@ -70,12 +109,12 @@ phase_e2e() {
   "$PY" bench/e2e_gpu.py --sections ttft --ttft 32768 --ref-ttft "" --out "$OUT/e2e_ttft.json"
 }
 
-[ $# -gt 0 ] || { sed -n 2,19p "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
 rc=0
 for p in "$@"; do
   case "$p" in
-    setup|build|tests|kernels|e2e) ;;
-    *) echo "gpu_round: unknown phase '$p' (known: setup build tests kernels e2e)" >&2; exit 2 ;;
+    setup|build|prebuild|tests|kernels|e2e) ;;
+    *) echo "gpu_round: unknown phase '$p' (known: setup build prebuild tests kernels e2e)" >&2; exit 2 ;;
   esac
 done
 for p in "$@"; do
