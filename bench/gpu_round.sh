@@ -16,10 +16,11 @@
 #   e2e        decode at 32K (B = 1, 2, 8, 32) and the TTFT of a 32K prompt on the built artifact
 #              -> $OUT/e2e_decode.json, $OUT/e2e_ttft.json
 # Issue 20's "done when" is `tests kernels` in one call on the H200 (tests first: the second run of the tests on a
-# warm Triton cache took about 290 s on an H100 with 12 workers before `prebuild` existed, 137 s of it one worker's
-# share of the tiny builds; the kernel rows about 80 s), after `setup build` (and a first `tests` that warms the
-# cache) in an earlier call. `prebuild` needs no GPU (about 4 min on 2 cores); its cache archive is keyed by
-# torch's version, so it is built on the machine that runs the tests. Each phase prints its elapsed time.
+# warm Triton cache took 288.8 s on an H100 with 12 workers before `prebuild` existed, 137.8 s of it one worker's
+# share of the tiny builds (pytest --durations in gpu_kernels_2026-12-07_h100_r18.json); the kernel rows about
+# 80 s), after `setup build` (and a first `tests` that warms the cache) in an earlier call. `prebuild` needs no GPU
+# (116 s on 2 cores); its cache archive is keyed by torch's version, so it is built on the machine that runs the
+# tests. Each phase prints its elapsed time.
 set -uo pipefail
 : "${KIMI_COMMIT:?set KIMI_COMMIT to the full sha of the tree measured (bench/results/README.md says why)}"
 : "${OUT:?set OUT to the folder the results go to}"
@@ -57,32 +58,24 @@ phase_build() {
 
 phase_prebuild() {
   # The tiny builds each of the tests' xdist workers would otherwise repeat at once (the suite's warm compile cache:
-  # 137 s of one worker's setup in a warm H100 run of 289 s, with others building the same), built once here on all
-  # cores, as .ci/run does: the cache exported for KIMI_TEST_CACHE_ARCHIVE (keyed by this machine's torch, so built
-  # where the tests run) and, from it, the artifacts tests/backends/test_cuda_gpu.py takes from
-  # KIMI_GPU_TEST_ARTIFACTS. Needs no GPU.
-  local cache="$PRE/cache" pids=() r
+  # 137.8 s of one worker's setup in a warm H100 run of 288.8 s, with others building the same), built once here on
+  # all cores by CI's warm job (.ci/warm_cache.sh): the cache exported for KIMI_TEST_CACHE_ARCHIVE (keyed by this
+  # machine's torch, so built where the tests run) and the artifacts tests/backends/test_cuda_gpu.py takes from
+  # KIMI_GPU_TEST_ARTIFACTS (<recipe>.ort, <recipe>.cuda, kimi-k3.1-tiny-cuda). Needs no GPU.
+  local pids=() p rc=0 r
   rm -rf "$PRE" && mkdir -p "$PRE/artifacts" || return 1
-  kc() { KIMI_COMPILE_CACHE="$cache" KIMI_COMPILE_CACHE_MAX_BYTES=4G "$PY" -m kimi_compile build --quiet "$@"; }
-  for r in kimi-k3.1-tiny kimi-k3-tiny; do  # the two traces first, then what reuses them
-    kc "recipes/$r.yaml" --out "$PRE/artifacts/$r.ort" > /dev/null & pids+=($!)
-  done
-  for r in "${pids[@]}"; do wait "$r" || return 1; done
-  pids=()
-  # tests/conftest.py's WARM_RECIPES, read without importing it (pytest need not be installed for this phase)
-  local warm
-  warm=$("$PY" -c "import ast; t = ast.parse(open('tests/conftest.py').read()); print(' '.join(r for n in t.body
-    if isinstance(n, ast.Assign) and getattr(n.targets[0], 'id', '') == 'WARM_RECIPES' for r in ast.literal_eval(n.value)))") || return 1
-  [ -n "$warm" ] || { echo "gpu_round: no WARM_RECIPES in tests/conftest.py" >&2; return 1; }
-  for r in $warm; do
-    case "$r" in kimi-k3.1-tiny|kimi-k3-tiny) ;; *) kc "recipes/$r.yaml" --out "$PRE/warm/$r" > /dev/null & pids+=($!) ;; esac
-  done
+  local -x KIMI_COMPILE_CACHE="$PRE/cache" KIMI_COMPILE_CACHE_MAX_BYTES=4G  # for this phase only
+  PYTHON="$PY" bash .ci/warm_cache.sh "$PRE/warm" || rc=1
   for r in kimi-k3.1-tiny kimi-k3-tiny; do
-    kc "recipes/$r.yaml" --backend cuda --target cuda --out "$PRE/artifacts/$r.cuda" > /dev/null & pids+=($!)
+    [ $rc -eq 0 ] && mv "$PRE/warm/$r" "$PRE/artifacts/$r.ort"
+    "$PY" -m kimi_compile build "recipes/$r.yaml" --backend cuda --target cuda --out "$PRE/artifacts/$r.cuda" \
+      --quiet > /dev/null & pids+=($!)
   done
-  kc recipes/kimi-k3.1-tiny-cuda.yaml --out "$PRE/artifacts/kimi-k3.1-tiny-cuda" > /dev/null & pids+=($!)
-  for r in "${pids[@]}"; do wait "$r" || return 1; done
-  KIMI_COMPILE_CACHE="$cache" "$PY" -m kimi_compile cache export "$PRE/cache.tar.gz" > /dev/null
+  "$PY" -m kimi_compile build recipes/kimi-k3.1-tiny-cuda.yaml --out "$PRE/artifacts/kimi-k3.1-tiny-cuda" --quiet \
+    > /dev/null & pids+=($!)
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  [ $rc -eq 0 ] && "$PY" -m kimi_compile cache export "$PRE/cache.tar.gz" > /dev/null || rc=1
+  return $rc
 }
 
 phase_tests() {
