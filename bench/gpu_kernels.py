@@ -293,6 +293,16 @@ def indexer_section(args):
         record("indexer", case, "ours indexer_topk (the op's contract: rows set-up, kernels, rank order)", shape,
                bytes_, flops, lambda: itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk),
                check=chk, reps=args.reps, note="minus the indexer_topk_rows row: the row set-up and rank kernels' cost")
+        try:
+            ui, us = itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk, sort=False)
+            torch.cuda.synchronize()
+            chk = iref.check_topk(ui[:, 0], us[:, 0], full_cpu, lens, topk)
+        except Exception as e:
+            chk = {"ok": False, "error": str(e)[:300]}
+        record("indexer", case, "ours indexer_topk sorted=0 (the op as relax_topk_order leaves it: rows set-up, "
+               "kernels, no rank order)", shape, bytes_, flops,
+               lambda: itk.indexer_topk(q[:, None], w[:, None], codes, scales, bt, start, ones, topk, sort=False),
+               check=chk, reps=args.reps, note="what the served decode runs where only SparseMLA reads the selection")
         if args.quick:
             del codes, scales
             torch.cuda.empty_cache()

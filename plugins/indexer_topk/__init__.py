@@ -4,9 +4,12 @@ reads the paged index-K pool through the block table (no score tensor is written
 Inputs   q [B,T,H,D] (index queries), w [B,T,H] (head weights, scales folded in), index_pool [NB,BS,D],
          block_table [B,MB] int64, start [B] int64 (tokens cached before this step), lengths [B] int64
 Outputs  indices [B,T,k] int64: the k highest-scoring visible positions per query, ties to the lower position,
-         -1 where fewer than k positions are visible; scores [B,T,k] (fp32, -1e30 where invalid)
+         -1 where fewer than k positions are visible, sorted by score descending, then position ascending
+         (sorted=0: the same positions and scores in any order); scores [B,T,k] (fp32, -1e30 where invalid)
          index_scale_pool [NB,BS,D/block] uint8 (optional; with k_format mxfp8: one E8M0 byte per block)
-Attrs    topk (k); k_format "float" (index_pool holds float keys) | "mxfp8" (index_pool holds the uint8 bit patterns
+Attrs    topk (k); sorted (1: the order above; 0: any order, for consumers that read the selection as a set, as
+         kimi.SparseMLA does: the relax_topk_order pass sets it, and the cuda backend's kernel then skips its rank
+         stage); k_format "float" (index_pool holds float keys) | "mxfp8" (index_pool holds the uint8 bit patterns
          of FP8 codes, `elem` e4m3 | e5m2, dequantized per gathered row as kimi.DequantizeMX[block]); block (32)
          A quantized format runs the function overload named by `overload_name(attrs)` ("" for float).
 Score    I[b,t,s] = sum_h w[b,t,h] * relu(q[b,t,h] . K[b,s]),  K = the pool rows of sequence b (position s at block
@@ -33,6 +36,6 @@ def infer(types, attrs):
     return [TensorType(shape, TensorProto.INT64), TensorType(shape, TensorProto.FLOAT)]
 
 
-OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS, {"topk": 2048, "k_format": "float", "block": 32, "elem": "e4m3"},
+OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS, {"topk": 2048, "sorted": 1, "k_format": "float", "block": 32, "elem": "e4m3"},
                     function=function, infer=infer, reference=reference.indexer_topk, doc=__doc__,
                     float32_ports=frozenset({"scores"}), kind="fused"))

@@ -16,6 +16,7 @@ from kimi_compile.plugins.quant.body import dequant_nodes
 NAME = "IndexerTopK"
 INPUTS = ("q", "w", "index_pool", "block_table", "start", "lengths", "index_scale_pool")
 OUTPUTS = ("indices", "scores")
+SORTED = {"sorted": 1}  # the attribute with a default (the op's order; the relax_topk_order pass sets 0)
 
 
 def overload_name(k_format: str = "float", elem: str = "e4m3") -> str:
@@ -57,7 +58,9 @@ def indexer_topk(k_format: str = "float", elem: str = "e4m3") -> FunctionProto:
         n("Where", ["valid", "idx", "minus1"], ["indices"]),
         n("Where", ["valid", "vals", "masked"], ["scores"]),
     ]
+    # sorted (1, the default): indices by score descending then position ascending; 0 allows any order (a set-reading
+    # consumer such as kimi.SparseMLA). The body sorts either way: a sorted selection is also a valid unsorted one.
     if k_format == "float":
-        return function(NAME, INPUTS[:6], OUTPUTS, nodes, ["topk"])
-    return function(NAME, INPUTS, OUTPUTS, nodes, ["topk", "k_format", "block", "elem"],
+        return function(NAME, INPUTS[:6], OUTPUTS, nodes, ["topk"], defaults=SORTED)
+    return function(NAME, INPUTS, OUTPUTS, nodes, ["topk", "k_format", "block", "elem"], defaults=SORTED,
                     overload=overload_name(k_format, elem), calls_kimi=True)

@@ -87,7 +87,7 @@ def indexer_topk_triton(x, a, out=None):
     shape = (*q.shape[:2], topk)
     slots = (out_slot(out, 0, shape, torch.int64), out_slot(out, 1, shape, torch.float32))
     return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, topk,
-                           out=slots if None not in slots else None)
+                           out=slots if None not in slots else None, sort=bool(a.get("sorted", 1)))
 
 
 

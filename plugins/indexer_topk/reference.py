@@ -20,6 +20,8 @@ twin (and the op registry) never imports it.
 
 from __future__ import annotations
 
+import builtins
+
 import numpy as np
 
 from kimi_compile.onnx_body import MASKED  # the score of a slot or position no query may see (twins, body, kernels)
@@ -28,8 +30,9 @@ from kimi_compile.plugins.quant.reference import mx_dequantize, mx_dequantize_to
 
 # ---------------------------------------------------------------- numpy twin: the registered reference of the op
 def indexer_topk(q, w, index_pool, block_table, start, lengths, topk: int = 2048, *, index_scale_pool=None,
-                 k_format: str = "float", block: int = 32, elem: str = "e4m3"):
-    """kimi.IndexerTopK in numpy: loops written from the definition (ties to the lower position)."""
+                 k_format: str = "float", block: int = 32, elem: str = "e4m3", sorted: int = 1):  # noqa: A002
+    """kimi.IndexerTopK in numpy: loops written from the definition (ties to the lower position). The result is
+    sorted whatever `sorted` says (sorted=0 allows any order, and this one is among them)."""
     B, T, H, D = q.shape
     BS = index_pool.shape[1]
     S = block_table.shape[1] * BS
@@ -46,7 +49,7 @@ def indexer_topk(q, w, index_pool, block_table, start, lengths, topk: int = 2048
                 continue
             dots = np.maximum(q[b, t].astype(np.float64) @ keys[b, :hi].T.astype(np.float64), 0)  # [H, hi]
             s = (w[b, t].astype(np.float64)[:, None] * dots).sum(0)
-            order = sorted(range(hi), key=lambda j: (-s[j], j))[:topk]
+            order = builtins.sorted(range(hi), key=lambda j: (-s[j], j))[:topk]  # `sorted` is the attribute here
             indices[b, t, : len(order)] = order
             scores[b, t, : len(order)] = s[order]
     return indices, scores

@@ -3,7 +3,7 @@ top-k without writing a [B, T, S] score tensor back to the caller.
 
 Entry point (the op's ONNX contract, plugins/indexer_topk/__init__.py):
 
-    indexer_topk(q, w, codes, scales, block_table, start, lengths, topk, *, strategy="auto", out=None)
+    indexer_topk(q, w, codes, scales, block_table, start, lengths, topk, *, strategy="auto", out=None, sort=True)
         q       [B, T, H, 128] bf16 (float32 is rounded to bf16)   index queries
         w       [B, T, H] float32 / bf16                             head weights (scales folded in)
         codes   [NB, BS, 128] uint8 (or float8_e4m3fn)               E4M3FN bit patterns of the index keys
@@ -13,7 +13,8 @@ Entry point (the op's ONNX contract, plugins/indexer_topk/__init__.py):
         start, lengths [B] integer                                   query t of sequence b sees the positions
                                                                      s <= start[b] + t and s < start[b] + lengths[b]
         -> indices [B, T, topk] int64: the visible positions with the highest scores, sorted by score (descending)
-           then position (ascending), -1 where fewer than topk are visible;
+           then position (ascending), -1 where fewer than topk are visible (sort=False: the same positions in no
+           particular order, then the -1s);
            scores [B, T, topk] float32: I = sum_h w[h] * relu(q[h] . k[s]), -1e30 where the index is -1.
     The pools are the quantize pass's index_k_cache pools (mxfp8, block 32, E4M3: `index_k.i` codes and
     `index_k.i.scale`), read as they are. All tensors on one CUDA device, pools contiguous. No host
@@ -45,7 +46,8 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
 `indexer_topk_rows` runs these three (indices int32 in no particular order). `indexer_topk` runs them between two
 kernels of its own: `_rows_kernel` (each row's sequence and visible length from start / lengths) before, and
-`_rank_kernel` after. There `_final_kernel` writes each selected slot's fp64 order key (`_dkey`: score and position
+`_rank_kernel` after; with sort=False (the op's sorted=0: a consumer that reads the selection as a set, as
+kimi.SparseMLA does) the rank kernel is skipped and `_final_kernel` writes the op's outputs itself. There `_final_kernel` writes each selected slot's fp64 order key (`_dkey`: score and position
 in one double, -inf past the selection) instead of the position / score pair; `_rank_kernel` (grid rows x blocks of
 64 or 128 slots, `_rank_shape`) counts for each slot the row's keys greater than its own (one fp64 compare per pair,
 the warps of a program splitting the row's keys), which is its rank in the contract's order (score descending, then
@@ -711,13 +713,15 @@ def indexer_scores(q, w, codes, scales, block_table, row_seq, row_len, topk: int
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                  block_table: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, topk: int, *,
-                 strategy: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 strategy: str = "auto", out: tuple[torch.Tensor, torch.Tensor] | None = None, sort: bool = True,
                  **unknown) -> tuple[torch.Tensor, torch.Tensor]:
     """kimi.IndexerTopK on the MXFP8 pools (the contract in the module docstring): q [B, T, H, 128], w [B, T, H],
     codes [NB, BS, 128] u8, scales [NB, BS, 4] u8, block_table [B, MB], start / lengths [B] ->
     (indices [B, T, topk] int64 sorted by score desc then position asc, -1 where none; scores [B, T, topk] fp32,
-    -1e30 where none). out: optional preallocated (indices int64, scores fp32) [B, T, topk], written in place."""
-    _no_unknown("indexer_topk", unknown, "strategy, out")
+    -1e30 where none). out: optional preallocated (indices int64, scores fp32) [B, T, topk], written in place.
+    sort False (the op's sorted=0): the same selection and scores in no particular order, the min(topk, L)
+    selected slots first, then -1 / -1e30; the rank kernel and its key workspace are skipped."""
+    _no_unknown("indexer_topk", unknown, "strategy, out, sort")
     _check(unsupported(q, w, codes, scales, block_table, start, lengths, topk, strategy))
     B, T, H, D = q.shape
     R = B * T
@@ -726,12 +730,6 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
     bt = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() else \
         block_table.to(torch.int32).contiguous()
     q2, w2 = q.reshape(R, H, D).to(torch.bfloat16), w.reshape(R, H)
-    kp = triton.cdiv(topk, RANK_CHK) * RANK_CHK
-    key = ("keys", str(dev), R, kp)
-    if key not in _WS:  # the unordered selection as order keys, before the rank kernel puts it in the op's order
-        _WS[key] = torch.empty(R, kp, dtype=torch.float64, device=dev)
-    keys = _WS[key]
-    _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, (keys, None), MASKED)
     if out is None:
         out = (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
                torch.empty(B, T, topk, dtype=torch.float32, device=dev))
@@ -740,7 +738,17 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
         oi.dtype == torch.int64 and os_.dtype == torch.float32
     ti, ts = (oi, os_) if direct else (torch.empty(B, T, topk, dtype=torch.int64, device=dev),
                                       torch.empty(B, T, topk, dtype=torch.float32, device=dev))
-    _rank(keys, topk, ti.view(R, topk), ts.view(R, topk))
+    if sort:
+        kp = triton.cdiv(topk, RANK_CHK) * RANK_CHK
+        key = ("keys", str(dev), R, kp)
+        if key not in _WS:  # the unordered selection as order keys, before the rank kernel puts it in the op's order
+            _WS[key] = torch.empty(R, kp, dtype=torch.float64, device=dev)
+        keys = _WS[key]
+        _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, (keys, None), MASKED)
+        _rank(keys, topk, ti.view(R, topk), ts.view(R, topk))
+    else:  # the selection's own slots, int64 positions and -1 / MASKED past it (the stores widen the int32 values)
+        _rows(q2, w2, codes, scales, bt, row_seq, row_len, topk, strategy, (ti.view(R, topk), ts.view(R, topk)),
+              MASKED)
     if not direct:
         oi.copy_(ti)
         os_.copy_(ts)

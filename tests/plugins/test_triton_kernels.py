@@ -404,6 +404,47 @@ def test_indexer_topk_contract(zero_w):
             assert bool((gs[b, t, 1:n] <= gs[b, t, :n - 1]).all())
 
 
+def _interp_runs_score_kernels() -> bool:
+    """Triton 3.6's interpreter cannot run the score kernel (its tl.range over loaded bounds); 3.9's can."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and itk.triton is not None and \
+        tuple(int(x) for x in itk.triton.__version__.split(".")[:2]) >= (3, 9)
+
+
+@pytest.mark.skipif(itk.triton is None or not (torch.cuda.is_available() or _interp_runs_score_kernels()),
+                    reason="needs triton and a CUDA GPU (or TRITON_INTERPRET=1 with triton >= 3.9: CPU tensors)")
+@pytest.mark.parametrize("lens,topk,T", [([1000, 100, 700], 256, 2), ([3000, 0], 512, 1)])
+def test_indexer_topk_unsorted(lens, topk, T):
+    """sort=False (the op's sorted=0): per query the same (position, score) pairs as the sorted contract, bit for
+    bit, the min(topk, L) selected slots first, then -1 / -1e30; written into the given slots (poisoned first).
+    Rows shorter than topk, an empty row and a row past 2048 positions (several candidate slices)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(21)
+    codes, scales, bt = _index_cache(lens, 64, gen)
+    B = len(lens)
+    q = torch.randn(B, T, 64, 128, generator=gen).bfloat16().to(dev)
+    w = (torch.randn(B, T, 64, generator=gen) * 0.1).to(dev)
+    start = torch.tensor([max(n - T, 0) for n in lens], device=dev)
+    length = torch.tensor([min(T, n) for n in lens], device=dev)
+    args = (q, w, codes.to(dev), scales.to(dev), bt.long().to(dev), start, length, topk)
+    si, ss = itk.indexer_topk(*args, strategy="triton")
+    ui = torch.full((B, T, topk), -7, dtype=torch.int64, device=dev)
+    us = torch.full((B, T, topk), float("nan"), device=dev)
+    got = itk.indexer_topk(*args, strategy="triton", out=(ui, us), sort=False)
+    assert got[0] is ui and got[1] is us
+    si, ss, ui, us = si.cpu(), ss.cpu(), ui.cpu(), us.cpu()
+    assert not torch.equal(ui, si)  # the unsorted path really is another order (else this test proves nothing)
+    for b in range(B):
+        for t in range(T):
+            n = int((si[b, t] >= 0).sum())
+            assert n == min(topk, max(0, min(int(start[b]) + t + 1, int(start[b] + length[b]))))
+            assert bool((ui[b, t, :n] >= 0).all()) and bool((ui[b, t, n:] == -1).all())
+            assert bool((us[b, t, n:] == -1e30).all())
+            o = torch.argsort(ui[b, t, :n])
+            r = torch.argsort(si[b, t, :n])
+            assert torch.equal(ui[b, t, :n][o], si[b, t, :n][r])
+            assert torch.equal(us[b, t, :n][o].view(torch.int32), ss[b, t, :n][r].view(torch.int32))
+
+
 @gpu
 def test_indexer_backend_kernel_writes_into_the_executors_slots():
     """The cuda backend's IndexerTopK kernel (Kernel.out): given the executor's (indices, scores) slots it returns
