@@ -15,6 +15,8 @@
 #              --reps 20 -> $OUT/gpu_kernels.json (baselines from .ext/lib where carried: bench/baselines)
 #   e2e        decode at 32K (B = 1, 2, 8, 32) and the TTFT of a 32K prompt on the built artifact
 #              -> $OUT/e2e_decode.json, $OUT/e2e_ttft.json
+#   order_ab   the built artifact's decode (B = 1, 8, 32 at 32K) with the indexer as built (sorted=0, no rank stage)
+#              and forced sorted, interleaved in one process (bench/topk_order_ab.py) -> $OUT/topk_order_ab.json
 # Issue 20's "done when" is `tests kernels` in one call on the H200 (tests first: the second run of the tests on a
 # warm Triton cache took 288.8 s on an H100 with 12 workers before `prebuild` existed, 137.8 s of it one worker's
 # share of the tiny builds (pytest --durations in gpu_kernels_2026-12-07_h100_r18.json); the kernel rows about
@@ -102,12 +104,17 @@ phase_e2e() {
   "$PY" bench/e2e_gpu.py --sections ttft --ttft 32768 --ref-ttft "" --out "$OUT/e2e_ttft.json"
 }
 
-[ $# -gt 0 ] || { sed -n 2,23p "$0"; exit 2; }
+phase_order_ab() {
+  [ -d "$ART" ] || { echo "gpu_round: order_ab needs the artifact $ART (run the build phase first)" >&2; return 1; }
+  "$PY" bench/topk_order_ab.py --out "$OUT/topk_order_ab.json"
+}
+
+[ $# -gt 0 ] || { sed -n 2,25p "$0"; exit 2; }
 rc=0
 for p in "$@"; do
   case "$p" in
-    setup|build|prebuild|tests|kernels|e2e) ;;
-    *) echo "gpu_round: unknown phase '$p' (known: setup build prebuild tests kernels e2e)" >&2; exit 2 ;;
+    setup|build|prebuild|tests|kernels|e2e|order_ab) ;;
+    *) echo "gpu_round: unknown phase '$p' (known: setup build prebuild tests kernels e2e order_ab)" >&2; exit 2 ;;
   esac
 done
 for p in "$@"; do
