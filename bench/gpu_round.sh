@@ -20,9 +20,11 @@
 # Issue 20's "done when" is `tests kernels` in one call on the H200 (tests first: the second run of the tests on a
 # warm Triton cache took 288.8 s on an H100 with 12 workers before `prebuild` existed, 137.8 s of it one worker's
 # share of the tiny builds (pytest --durations in gpu_kernels_2026-12-07_h100_r18.json); the kernel rows about
-# 80 s), after `setup build` (and a first `tests` that warms the cache) in an earlier call. `prebuild` needs no GPU
-# (116 s on 2 cores); its cache archive is keyed by torch's version, so it is built on the machine that runs the
-# tests. Each phase prints its elapsed time.
+# 80 s), after `setup prebuild build` in an earlier call on the same machine. `prebuild` needs no GPU (116 s on 2
+# cores here, 157 s on the lent H100); its cache archive is keyed by torch's version, so it is built on the machine
+# that runs the tests. `prebuild tests kernels` in one call does not fit 10 minutes: on an H100 (round twenty) prebuild
+# and the tests reached their 355 s limit 10 tests short, leaving 200 s of a kernel section that needs about 215.
+# Each phase prints its elapsed time.
 set -uo pipefail
 : "${KIMI_COMMIT:?set KIMI_COMMIT to the full sha of the tree measured (bench/results/README.md says why)}"
 : "${OUT:?set OUT to the folder the results go to}"
