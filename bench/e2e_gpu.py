@@ -18,6 +18,9 @@ Like against like, every row says its launch mode:
   accuracy the bf16 + quantized artifact against the fp32 reference on fixed prompts: teacher-forced top-1 agreement
            and logits relative error over --accuracy-steps greedy steps of the reference;
   memory   torch.cuda.max_memory_allocated per case;
+  machine  each decode row's machine_before / machine_after: host load averages and nvidia-smi's clocks, temperature,
+           power, throttle reasons and compute processes around the timed steps (rows compared across runs or
+           machines can then be checked for a busy host, another process on the GPU or a throttled clock);
   ort      baseline (section "ort", --ort-artifact DIR: an onnxruntime-backend artifact): its decode step through
            ONNX Runtime's CUDA execution provider (onnxruntime-gpu), caches as host numpy arrays fed each step (the
            runtime's ONNX Runtime path, no IO binding); the row names the providers that ran.
@@ -82,6 +85,28 @@ def meta() -> dict:
     return run_info("torch", "triton", "onnx", "onnx-ir", "fla-core", "kimi-compile")
 
 
+_SMI_FIELDS = "clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_throttle_reasons.active"
+
+
+def machine_state() -> dict:
+    """What else may move a wall-clock row between runs: the host's load averages and, where nvidia-smi answers, the
+    GPU's clocks, temperature, power, throttle reasons and the processes holding it."""
+    import subprocess
+
+    st: dict = {"loadavg": [round(x, 2) for x in os.getloadavg()]}
+    try:
+        q = subprocess.run(["nvidia-smi", f"--query-gpu={_SMI_FIELDS}", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=10)
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        st["nvidia_smi"] = f"unavailable: {type(e).__name__}"
+        return st
+    st["gpu"] = dict(zip(_SMI_FIELDS.split(","), (v.strip() for v in q.stdout.strip().split(","))))
+    st["gpu_processes"] = [line.strip() for line in apps.stdout.splitlines() if line.strip()]
+    return st
+
+
 def save(path: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -141,13 +166,15 @@ def ours_decode(art: str, B: int, ctx: int, steps: int, graphs: bool) -> dict:
     def step():
         logits = sess._decode(state["tok"], cache)
         state["tok"] = logits.argmax(-1).tolist()
+    before = machine_state()
     us = time_steps(step, steps)
     spec = next(iter(sess.backend.program("decode")._specs.values()))
     return {"median_us": statistics.median(us), "p10_us": float(np.percentile(us, 10)),
             "p90_us": float(np.percentile(us, 90)), "tokens_per_s": B * 1e6 / statistics.median(us),
             "peak_gib": peak_gib(),
             "plan_peak_mib": spec.plan.peak / 2**20 if spec.plan else None,
-            "graph_captured": spec.graph is not None, "capture_error": spec.capture_error}
+            "graph_captured": spec.graph is not None, "capture_error": spec.capture_error,
+            "machine_before": before, "machine_after": machine_state()}
 
 
 def _count_triton_compiles() -> dict:
