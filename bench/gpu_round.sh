@@ -24,7 +24,8 @@
 # cores here, 157 s on the lent H100); its cache archive is keyed by torch's version, so it is built on the machine
 # that runs the tests. `prebuild tests kernels` in one call does not fit 10 minutes: on an H100 (round twenty) prebuild
 # and the tests reached their 355 s limit 10 tests short, leaving 200 s of a kernel section that needs about 215.
-# Each phase prints its elapsed time.
+# Each phase prints its elapsed time. The timed phases (kernels, e2e, order_ab) first kill test processes a `tests`
+# cut by `timeout` may have left (`no_strays`: pytest-xdist workers sharing the GPU and the host).
 set -uo pipefail
 : "${KIMI_COMMIT:?set KIMI_COMMIT to the full sha of the tree measured (bench/results/README.md says why)}"
 : "${OUT:?set OUT to the folder the results go to}"
@@ -94,12 +95,28 @@ phase_tests() {
   return "${PIPESTATUS[0]}"
 }
 
+no_strays() {
+  # An earlier phase cut by `timeout` can leave its pytest-xdist workers running; they would share the GPU and the
+  # host with the rows timed next. Kill them (never this script's own ancestors) and say so.
+  local anc=" $$ " p=$$ pid strays=""
+  while [ "$p" -gt 1 ] 2>/dev/null; do p=$(ps -o ppid= -p "$p" | tr -d ' '); anc+="$p "; done
+  for pid in $(pgrep -f -- "-m pytest|execnet|xdist" || true); do
+    [[ "$anc" == *" $pid "* ]] || strays+="$pid "
+  done
+  [ -z "$strays" ] && return 0
+  say "killing stray test processes before timing: $strays"
+  kill $strays 2>/dev/null; sleep 2; kill -9 $strays 2>/dev/null
+  return 0
+}
+
 phase_kernels() {
+  no_strays
   "$PY" bench/gpu_kernels.py --sections floors,kda_prefill,indexer,mla --quick --no-compile --skip-prefill --reps 20 \
     --out "$OUT/gpu_kernels.json"
 }
 
 phase_e2e() {
+  no_strays
   [ -d "$ART" ] || { echo "gpu_round: e2e needs the artifact $ART (run the build phase first)" >&2; return 1; }
   "$PY" bench/e2e_gpu.py --sections decode --decode 1x32768,2x32768,8x32768,32x32768 --eager-decode "" \
     --ref-decode "" --steps 32 --out "$OUT/e2e_decode.json" || return 1
@@ -107,6 +124,7 @@ phase_e2e() {
 }
 
 phase_order_ab() {
+  no_strays
   [ -d "$ART" ] || { echo "gpu_round: order_ab needs the artifact $ART (run the build phase first)" >&2; return 1; }
   "$PY" bench/topk_order_ab.py --out "$OUT/topk_order_ab.json"
 }
