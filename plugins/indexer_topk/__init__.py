@@ -36,6 +36,7 @@ def infer(types, attrs):
     return [TensorType(shape, TensorProto.INT64), TensorType(shape, TensorProto.FLOAT)]
 
 
-OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS, {"topk": 2048, "sorted": 1, "k_format": "float", "block": 32, "elem": "e4m3"},
+OP = register(OpDef(NAME, body.INPUTS, body.OUTPUTS,
+                    {"topk": 2048, **body.SORTED, "k_format": "float", "block": 32, "elem": "e4m3"},
                     function=function, infer=infer, reference=reference.indexer_topk, doc=__doc__,
                     float32_ports=frozenset({"scores"}), kind="fused"))

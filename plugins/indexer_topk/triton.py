@@ -46,13 +46,13 @@ Stages (rows r = b * T + t; a row sees positions [0, L_r) with L_r = clamp(min(s
    second bisection on position), slots by prefix sum; -1 / -inf past k; resets the counter.
 `indexer_topk_rows` runs these three (indices int32 in no particular order). `indexer_topk` runs them between two
 kernels of its own: `_rows_kernel` (each row's sequence and visible length from start / lengths) before, and
-`_rank_kernel` after; with sort=False (the op's sorted=0: a consumer that reads the selection as a set, as
-kimi.SparseMLA does) the rank kernel is skipped and `_final_kernel` writes the op's outputs itself. There `_final_kernel` writes each selected slot's fp64 order key (`_dkey`: score and position
+`_rank_kernel` after. There `_final_kernel` writes each selected slot's fp64 order key (`_dkey`: score and position
 in one double, -inf past the selection) instead of the position / score pair; `_rank_kernel` (grid rows x blocks of
 64 or 128 slots, `_rank_shape`) counts for each slot the row's keys greater than its own (one fp64 compare per pair,
 the warps of a program splitting the row's keys), which is its rank in the contract's order (score descending, then
 position ascending), and writes the position and score decoded from the key there: int64 positions, -1 / -1e30 past
-the selection.
+the selection. With sort=False (the op's sorted=0, for a consumer that reads the selection as a set, as kimi.SparseMLA
+does) there is no rank kernel: `_final_kernel` writes the op's int64 positions and scores itself, in its own order.
 
 Invariants: the workspaces (scores, group maxima, candidates, counters; the rows and the selection's order keys
 of `indexer_topk`) are cached per shape and allocated on the first call of a shape (warm up before capturing a CUDA
