@@ -43,6 +43,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
+    if not (Path(a.artifact) / "graphs" / "decode.onnx").is_file():
+        ap.error(f"--artifact {a.artifact}: no graphs/decode.onnx there (build the cuda artifact first)")
+    cases = []
+    for spec in a.decode.split(","):
+        try:
+            B, ctx = map(int, spec.split("x"))
+        except ValueError:
+            ap.error(f"--decode: each case must be BATCHxCONTEXT (e.g. 1x32768), got {spec!r}")
+        cases.append((spec, B, ctx))
     e2e.RESULT.update(e2e.meta())
     e2e.RESULT["command"] = " ".join([sys.executable, *sys.argv])
     e2e.RESULT["indexer_sorted_attrs"] = _orders(a.artifact)
@@ -53,8 +62,7 @@ def main() -> None:
         return as_built(*args, **kw)
 
     summary = {}
-    for spec in a.decode.split(","):
-        B, ctx = map(int, spec.split("x"))
+    for spec, B, ctx in cases:
         runs = {"as built": [], "sorted": []}
         for _ in range(a.rounds):
             for name, fn in (("as built", as_built), ("sorted", forced_sorted)):

@@ -25,7 +25,17 @@ def _keys(pool: torch.Tensor, bt: torch.Tensor, scale_pool: torch.Tensor | None,
     return k.reshape(B, MB * pool.shape[1], pool.shape[-1])
 
 
+def sort_attr(a) -> bool:
+    """The op's `sorted` attribute (1: the contract's order, 0: any order) as the kernels' `sort`; other values are
+    refused with the attribute named."""
+    v = a.get("sorted", 1)
+    if v not in (0, 1):
+        raise ValueError(f"kimi.IndexerTopK: attribute 'sorted' must be 0 or 1, got {v!r}")
+    return bool(v)
+
+
 def indexer_topk_torch(x, a):
+    sort_attr(a)  # the torch form always sorts (a valid result for either value)
     q, w, pool, bt, start, lengths = x[:6]
     scale_pool = x[6] if len(x) > 6 else None
     B, T = q.shape[:2]
@@ -87,7 +97,7 @@ def indexer_topk_triton(x, a, out=None):
     shape = (*q.shape[:2], topk)
     slots = (out_slot(out, 0, shape, torch.int64), out_slot(out, 1, shape, torch.float32))
     return tk.indexer_topk(q, w.float(), codes, scale_pool, bt, start, lengths, topk,
-                           out=slots if None not in slots else None, sort=bool(a.get("sorted", 1)))
+                           out=slots if None not in slots else None, sort=sort_attr(a))
 
 
 

@@ -722,6 +722,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, codes: torch.Tensor, scales: 
     sort False (the op's sorted=0): the same selection and scores in no particular order, the min(topk, L)
     selected slots first, then -1 / -1e30; the rank kernel and its key workspace are skipped."""
     _no_unknown("indexer_topk", unknown, "strategy, out, sort")
+    if not isinstance(sort, bool):
+        raise ValueError(f"indexer_topk: sort must be True or False, got {sort!r}")
     _check(unsupported(q, w, codes, scales, block_table, start, lengths, topk, strategy))
     B, T, H, D = q.shape
     R = B * T

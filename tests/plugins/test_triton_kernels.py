@@ -146,6 +146,14 @@ def test_bad_input_names_the_field():
         itk.indexer_topk(q, w, codes, scales, bt, st, ln, 16, impl="v4")
     with pytest.raises(ValueError, match="strategy must be"):
         itk.indexer_topk(q, w, codes, scales, bt, st, ln, 16, strategy="v3")
+    with pytest.raises(ValueError, match="sort must be True or False"):
+        itk.indexer_topk(q, w, codes, scales, bt, st, ln, 16, sort=0)
+    from kimi_compile.plugins.indexer_topk import cuda as icuda
+
+    x = [q, w, codes, bt.long(), st, ln, scales]
+    with pytest.raises(ValueError, match="attribute 'sorted' must be 0 or 1, got 2"):
+        icuda.indexer_topk_torch(x, {"topk": 16, "sorted": 2, "k_format": "mxfp8", "block": 32})
+    assert icuda.sort_attr({"sorted": 0}) is False and icuda.sort_attr({}) is True
     on_cpu = "CUDA device" in (itk.unsupported(q, w, codes, scales, bt, st, ln, 16) or "")
     assert on_cpu or os.environ.get("TRITON_INTERPRET") == "1"  # the interpreter runs the kernels on CPU tensors
     ql = torch.randn(1, 1, 128, 576).bfloat16()
