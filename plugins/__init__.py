@@ -12,3 +12,13 @@ def num_sms(device) -> int:
 
     device = torch.device(device)
     return 132 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def wgmma_reason(capability: tuple[int, int], what: str) -> str | None:
+    """Why a kernel built on Hopper's warpgroup MMA (the Gluon kernels' `warpgroup_mma`) cannot run on a GPU of this
+    compute capability, or None on Hopper (sm_90). Blackwell (sm_100, sm_120) has no wgmma: compiling such a kernel
+    there aborts the process in LLVM ("Cannot select: intrinsic %llvm.nvvm.wgmma..."), so it must not be chosen."""
+    if capability[0] == 9:
+        return None
+    return (f"{what} uses Hopper's warpgroup MMA (sm_90), which this GPU (sm_{capability[0]}{capability[1]}) does not "
+            "have")

@@ -1,8 +1,8 @@
 """Gluon (Triton's explicit-layout dialect) score kernel of the fused lightning indexer: strategy "gluon".
 
 Stage 1 of plugins/indexer_topk/triton.py (same inputs, same workspace, same numbers as its Triton `_score_kernel`;
-the candidate and final select kernels are shared). Applies where `applies()` says so: Gluon importable, Hopper or
-newer (TMA, wgmma), 64-key cache pages, 64 index heads, head dim 128, a 16-byte-aligned code pool.
+the candidate and final select kernels are shared). Applies where `applies()` says so: Gluon importable, a Hopper GPU
+(TMA, wgmma: Blackwell has no wgmma), 64-key cache pages, 64 index heads, head dim 128, a 16-byte-aligned code pool.
 
 Grid (rows, programs per row); program (r, s) scores pages [s * ppr, s * ppr + ppr) of row r's sequence, clipped to
 the row's length L = ROW_LEN[r] (read on the device), ppr = the row's pages over the row's programs (at most ppp, which
@@ -193,7 +193,8 @@ if gluon is not None:
 
 def applies(k_codes, heads: int) -> str | None:
     """None when the Gluon score kernel can run on this pool with this many index heads, else the reason (the
-    caller also needs a Hopper+ GPU with TMA and a 16-byte-aligned pool: `triton._tma_ok`)."""
+    caller also needs a Hopper GPU (wgmma: `kimi_compile.plugins.wgmma_reason`) with TMA and a 16-byte-aligned pool:
+    `triton._tma_ok`)."""
     if gluon is None:
         return "Gluon (triton >= 3.5) is not importable"
     if k_codes.shape[1] != PAGE:

@@ -24,7 +24,7 @@ Entry point (the op's ONNX contract, plugins/indexer_topk/__init__.py):
 `unsupported(...)` returns why the kernels do not apply to given tensors (None when they do; `supports` is its
 boolean), naming the field; the entry points raise ValueError with that message. Strategies ("auto" picks the first
 that applies, by `strategy_for`):
-    "gluon"   stage 1 by the Gluon kernel (plugins/indexer_topk/gluon.py): Hopper+ with TMA, 64-key pages, 64 heads;
+    "gluon"   stage 1 by the Gluon kernel (plugins/indexer_topk/gluon.py): Hopper (wgmma, TMA), 64-key pages, 64 heads;
     "triton"  stage 1 by `_score_kernel`: power-of-two pages of 16..256 keys, power-of-two head counts of 16..256,
               TMA loads on Hopper+ (16-byte-aligned pool) and plain loads elsewhere.
 Both compute the same scores (up to fp32 summation order: the Gluon kernel permutes the dot positions within each
@@ -472,11 +472,15 @@ def _tma_ok(k_codes: torch.Tensor) -> bool:
 
 
 def _gluon_reason(k_codes: torch.Tensor, heads: int) -> str | None:
+    from kimi_compile.plugins import wgmma_reason
+
     from . import gluon
 
     why = gluon.applies(k_codes, heads)
     if why is None and not _tma_ok(k_codes):
-        why = "the Gluon score kernel needs a Hopper+ GPU with TMA and a 16-byte-aligned code pool"
+        why = "the Gluon score kernel needs a Hopper GPU with TMA and a 16-byte-aligned code pool"
+    if why is None:  # Blackwell has TMA but no wgmma: the Triton score kernel runs there
+        why = wgmma_reason(torch.cuda.get_device_capability(k_codes.device), "the Gluon score kernel")
     return why
 
 

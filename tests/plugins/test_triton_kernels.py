@@ -126,6 +126,25 @@ def test_mla_reference_helper_is_the_registered_reference():
     assert rel(want, torch.from_numpy(got)) < 1e-6
 
 
+@pytest.mark.parametrize("cap,gluon", [((9, 0), True), ((10, 0), False), ((12, 0), False), ((8, 9), False)])
+def test_gluon_score_kernel_is_hopper_only(monkeypatch, cap, gluon):
+    """The indexer's Gluon score kernel (wgmma) is chosen on Hopper only: compiling it for Blackwell (sm_100 / sm_120,
+    TMA but no wgmma) aborts the process in LLVM, so "auto" must pick the Triton score kernel there, and naming
+    "gluon" must be refused with the reason."""
+    from kimi_compile.plugins import wgmma_reason
+    from kimi_compile.plugins.indexer_topk import gluon as igl
+
+    monkeypatch.setattr(igl, "applies", lambda k_codes, heads: None)
+    monkeypatch.setattr(itk, "_tma_ok", lambda k_codes: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    codes = torch.zeros(2, 64, 128, dtype=torch.uint8)
+    assert itk.strategy_for(codes, 64) == ("gluon" if gluon else "triton")
+    why = itk._gluon_reason(codes, 64)
+    assert (why is None) == gluon
+    if not gluon:
+        assert f"sm_{cap[0]}{cap[1]}" in why and why == wgmma_reason(cap, "the Gluon score kernel")
+
+
 def test_bad_input_names_the_field():
     """Refusals name the field, before any kernel runs (CPU tensors; triton need not be installed)."""
     q = torch.randn(2, 1, 64, 128).bfloat16()
