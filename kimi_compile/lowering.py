@@ -42,6 +42,8 @@ class Kernel:
     out: `run` also takes `out=`, a tuple with each output's planned slot in the executor's arena (None where none
         is planned), and writes the outputs it can into them, returning those slots: the executor then copies
         nothing for them (it copies any other tensor returned into its slot, so a kernel may decline per call).
+    min_capability: the least CUDA compute capability `run` works on (for example (8, 9): Triton's float8e4nv
+        conversions); on an older GPU (or a build whose target names one) the fallback runs, with that reason.
     """
 
     run: Callable[..., Any]
@@ -51,6 +53,28 @@ class Kernel:
     name: str = ""
     fallback: Kernel | None = None
     out: bool = False
+    min_capability: tuple[int, int] | None = None
+
+
+FP8_CAPABILITY = (8, 9)  # Triton's float8e4nv (E4M3) needs sm_89+: Ada, Hopper, Blackwell
+
+
+def target_capability(target: str | None) -> tuple[int, int] | None:
+    """The compute capability a build target names ("sm90" -> (9, 0), "sm89" -> (8, 9), "sm120" -> (12, 0)), or None
+    for a target that names none ("cuda", "cpu")."""
+    t = (target or "").lower()
+    if not (t.startswith("sm") and t[2:].isdigit() and len(t) >= 4):
+        return None
+    return int(t[2:-1]), int(t[-1])
+
+
+def capability_reason(kernel: Kernel, capability: tuple[int, int] | None) -> str | None:
+    """Why `kernel` cannot run on a GPU of this compute capability (None where it can, or where it is unknown)."""
+    need = kernel.min_capability
+    if need is None or capability is None or tuple(capability) >= tuple(need):
+        return None
+    return (f"needs a GPU of compute capability {need[0]}.{need[1]} or newer, this one is "
+            f"{capability[0]}.{capability[1]}")
 
 
 def out_slot(out, i: int, shape, dtype):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel, out_slot, warn_fallback_once
+from kimi_compile.lowering import FP8_CAPABILITY, Kernel, out_slot, warn_fallback_once
 
 MASKED = -1e30
 
@@ -104,6 +104,6 @@ def indexer_topk_triton(x, a, out=None):
 
 CUDA = {
     "IndexerTopK": Kernel(indexer_topk_triton, supports=_triton_supports, devices=("cuda",), out=True,
-                          name="triton.indexer_topk",
+                          name="triton.indexer_topk", min_capability=FP8_CAPABILITY,
                           fallback=Kernel(indexer_topk_torch, devices=("cuda", "cpu"), name="torch.indexer_topk")),
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel, out_slot, warn_fallback_once
+from kimi_compile.lowering import FP8_CAPABILITY, Kernel, out_slot, warn_fallback_once
 
 _F8 = {17: torch.float8_e4m3fn, 19: torch.float8_e5m2}
 _ELEM = {17: "e4m3", 19: "e5m2"}
@@ -127,9 +127,11 @@ def qdq_mx_triton(x, a, out=None):
 _ANY = ("cuda", "cpu")
 CUDA = {
     "QuantizeMX": Kernel(quantize_mx_triton, supports=_mx_triton_supports, name="triton.mx_quantize", out=True,
+                         min_capability=FP8_CAPABILITY,
                          fallback=Kernel(quantize_mx, devices=_ANY, name="torch.mx_quantize")),
     "DequantizeMX": Kernel(dequantize_mx, devices=_ANY, name="torch.mx_dequantize"),
     "QDQMX": Kernel(qdq_mx_triton, supports=_mx_triton_supports, name="triton.mx_qdq", out=True,
+                    min_capability=FP8_CAPABILITY,
                     fallback=Kernel(qdq_mx, devices=_ANY, name="torch.mx_qdq")),
     "QuantizeFP8Tile": Kernel(quantize_fp8_tile, devices=_ANY, name="torch.fp8_tile_quantize"),
     "DequantizeFP8Tile": Kernel(dequantize_fp8_tile, devices=_ANY, name="torch.fp8_tile_dequantize"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kimi_compile.lowering import Kernel
+from kimi_compile.lowering import FP8_CAPABILITY, Kernel
 
 HEAD_BLOCK = 64  # the Triton kernel's heads per program
 
@@ -85,5 +85,6 @@ def sparse_mla_triton(x, a):
 
 CUDA = {
     "SparseMLA": Kernel(sparse_mla_triton, supports=_triton_supports, devices=("cuda",), name="triton.sparse_mla",
+                        min_capability=FP8_CAPABILITY,
                         fallback=Kernel(sparse_mla_torch, devices=("cuda", "cpu"), name="torch.sparse_mla")),
 }

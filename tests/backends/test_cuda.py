@@ -508,3 +508,36 @@ def test_stream_plan_can_be_turned_off(tiny_build, tmp_path):
     assert out.exit_code == 0, out.output
     sp = json.loads(out.output)["stream_plans"]["decode"]
     assert sp["streams"] == 3 and len(sp["layers"]) == len(layers) and "schedule" not in sp["layers"][0]
+
+
+def test_kernels_follow_the_gpus_compute_capability():
+    """A kernel with a least compute capability (Kernel.min_capability: the FP8 Triton kernels need sm_89 for
+    float8e4nv) gives way to its fallback on an older GPU, with the reason in the coverage report; on a new enough
+    GPU, or where the capability is unknown (a build for target "cuda"), it runs. The build reads the capability from
+    its target ("sm90" -> (9, 0)); the FP8 kernels of the CUDA tables declare theirs."""
+    from onnx import TensorProto, helper
+
+    from kimi_compile import ops
+    from kimi_compile.backends.cuda.program import Program
+    from kimi_compile.lowering import FP8_CAPABILITY, Kernel, target_capability
+
+    node = helper.make_node("QuantizeMX", ["x"], ["q", "s"], domain="kimi", block=32)
+    g = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 64])],
+                          [helper.make_tensor_value_info("q", TensorProto.UINT8, [4, 64]),
+                           helper.make_tensor_value_info("s", TensorProto.UINT8, [4, 2])])
+    m = ir.serde.deserialize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 23),
+                                                                       helper.make_opsetid("kimi", 1)]))
+    run = lambda x, a: x  # noqa: E731 (never run: lowering only)
+    table = {"QuantizeMX": Kernel(run, name="fp8", min_capability=(8, 9),
+                                  fallback=Kernel(run, devices=("cuda", "cpu"), name="torch"))}
+    for cap, impl in (((8, 0), "kernel:torch"), ((8, 6), "kernel:torch"), ((8, 9), "kernel:fp8"),
+                      ((9, 0), "kernel:fp8"), ((12, 0), "kernel:fp8"), (None, "kernel:fp8")):
+        (row,) = Program(m, "meta", kernels=table, weights=False, kernel_device="cuda", capability=cap).coverage()
+        assert row["impl"] == impl, cap
+        if impl == "kernel:torch":
+            assert row["reason"] == f"fp8: needs a GPU of compute capability 8.9 or newer, this one is {cap[0]}.{cap[1]}"
+    assert [target_capability(t) for t in ("sm90", "sm89", "sm120", "sm100", "cuda", "cpu", "sm9", None)] == \
+        [(9, 0), (8, 9), (12, 0), (10, 0), None, None, None, None]
+    cuda = ops.kernels("CUDA")
+    for op in ("IndexerTopK", "SparseMLA", "QuantizeMX", "QDQMX"):
+        assert cuda[op].min_capability == FP8_CAPABILITY and cuda[op].fallback.min_capability is None, op

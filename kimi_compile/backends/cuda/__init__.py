@@ -98,7 +98,10 @@ def build(graphs: dict, out_dir: Path, opts: dict | None = None) -> dict[str, An
     export = (opts or {}).get("_build", {}).get("export")
     plans = memory_plans(graphs, export, o) if export else {}
 
-    coverage = {phase: Program(m, "meta", weights=False, kernel_device="cuda").coverage()
+    from kimi_compile.lowering import target_capability
+
+    cap = target_capability((opts or {}).get("_build", {}).get("target"))  # "sm90" -> (9, 0); "cuda": unknown
+    coverage = {phase: Program(m, "meta", weights=False, kernel_device="cuda", capability=cap).coverage()
                 for phase, m in graphs.items()}
     record = write_graphs(graphs, out_dir)
     record["_gpu_coverage"] = {phase: {"nodes": rows, "fallbacks": [r for r in rows if r["impl"] == "reference"]}

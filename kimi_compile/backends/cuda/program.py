@@ -30,6 +30,7 @@ import torch
 
 from kimi_compile import ops
 from kimi_compile.backends.cuda import memory, onnx_ops
+from kimi_compile.lowering import capability_reason
 
 SMALL_CONST = 4096  # initializers up to this many elements also live on the host (shape arithmetic reads them)
 
@@ -120,14 +121,19 @@ class Program:
 
     def __init__(self, model: ir.Model, device: str | torch.device, kernels: dict | None = None,
                  *, weights: bool = True, kernel_device: str | None = None, streams: bool = True,
-                 weight_pool: dict | None = None):
+                 weight_pool: dict | None = None, capability: tuple[int, int] | None = None):
         """`weights=False` lowers from shapes alone (device "meta": for the build's coverage report);
         `kernel_device` is the device kernels are chosen for (default: `device`'s type); `streams=False` ignores
         the stream plan (kimi.stream / kimi.wait): every step on the main stream, in graph order. `weight_pool`:
         device weights by where their bytes live (file, offset, length, dtype, shape), shared with the other phases'
-        programs, so one weight stored once in the artifact is one tensor on the device."""
+        programs, so one weight stored once in the artifact is one tensor on the device. `capability`: the CUDA
+        compute capability kernels are chosen for (Kernel.min_capability), by default the device's own (none known
+        on a CPU or meta device: every kernel's requirement is then taken as met)."""
         self.device = torch.device(device)
         self.kernel_device = kernel_device or self.device.type
+        if capability is None and self.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+        self.capability = capability
         self.kernels = ops.kernels("CUDA") if kernels is None else kernels
         g = model.graph
         self.ids: dict[str, int] = {}
@@ -197,7 +203,8 @@ class Program:
         while kernel is not None:
             why = (f"runs on {'/'.join(kernel.devices)}, not {self.kernel_device}"
                    if self.kernel_device not in kernel.devices else
-                   (kernel.supports(meta, full) if kernel.supports else None))
+                   (capability_reason(kernel, self.capability) if self.kernel_device == "cuda" else None)
+                   or (kernel.supports(meta, full) if kernel.supports else None))
             if not why:
                 return Step(index, name, f"kimi.{node.op_type}",
                             _typed(kernel.run, [self.values[o] for o in outs], kernel.out), ins, outs, full,
